@@ -1,0 +1,23 @@
+"""MXFP8 all-to-all for expert-parallel Mixture-of-Experts.
+
+Public API:
+    quantize, dequantize             -- MXFP8 casts (e4m3 + one e8m0 scale per 32 values)
+    quantize_packed, dequantize_packed, pack, unpack, packed_row_bytes -- the wire layout
+    quantize_reference, dequantize_reference -- plain-torch definitions of the casts
+"""
+
+from .dequantize import dequantize, dequantize_packed, dequantize_reference
+from .packing import pack, packed_row_bytes, unpack
+from .quantize import quantize, quantize_packed, quantize_reference
+
+__all__ = [
+    "dequantize",
+    "dequantize_packed",
+    "dequantize_reference",
+    "pack",
+    "packed_row_bytes",
+    "quantize",
+    "quantize_packed",
+    "quantize_reference",
+    "unpack",
+]

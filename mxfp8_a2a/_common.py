@@ -1,0 +1,63 @@
+"""Argument checks and backend selection shared by the public functions."""
+
+from __future__ import annotations
+
+import torch
+
+SCALING_MODES = ("rceil", "floor")
+BACKENDS = ("auto", "triton", "torch")
+BLOCK = 32
+
+
+def check_scaling_mode(scaling_mode: str) -> None:
+    if scaling_mode not in SCALING_MODES:
+        raise ValueError(f"scaling_mode must be one of {SCALING_MODES}, got {scaling_mode!r}")
+
+
+def interpreted(kernel) -> bool:
+    """True when ``kernel`` was decorated while TRITON_INTERPRET=1 (runs on CPU tensors)."""
+    return type(kernel).__name__ == "InterpretedFunction"
+
+
+def resolve_backend(backend: str, device: torch.device, kernel) -> str:
+    """Map ``backend`` ("auto", "triton", "torch") to "triton" or "torch" for ``device``."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if backend == "triton":
+        if device.type == "cpu" and not interpreted(kernel):
+            raise RuntimeError(
+                "backend='triton' got CPU tensors, but Triton kernels run on CPU only in "
+                "interpreter mode: set TRITON_INTERPRET=1 before importing mxfp8_a2a, move "
+                "the tensors to CUDA, or use backend='torch'"
+            )
+        if device.type == "cuda" and interpreted(kernel):
+            raise RuntimeError(
+                "backend='triton' got CUDA tensors while TRITON_INTERPRET=1 is set; unset it "
+                "to run compiled kernels"
+            )
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"backend='triton' supports CPU and CUDA tensors, got {device}")
+    return backend
+
+
+def check_float_input(x: torch.Tensor, name: str = "x") -> int:
+    """Check a bf16/fp32 tensor of shape [..., K], K % 32 == 0; return K."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"{name} must be bfloat16 or float32, got {x.dtype}; cast it with .to()")
+    if x.dim() == 0:
+        raise ValueError(f"{name} must have at least one dimension, got a scalar")
+    k = x.shape[-1]
+    if k % BLOCK != 0:
+        raise ValueError(
+            f"{name}.shape[-1] (K={k}) must be a multiple of {BLOCK}; pad the last dimension"
+        )
+    return k
+
+
+def check_out_dtype(out_dtype: torch.dtype) -> None:
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")

@@ -1,0 +1,214 @@
+"""MXFP8 dequantize: reference, Triton kernel, custom ops and the public functions.
+
+Layers: ``_dequantize_kernel`` (Triton) -> ``_launch`` -> custom ops
+``mxfp8_a2a::dequantize`` / ``mxfp8_a2a::dequantize_packed`` -> ``dequantize`` /
+``dequantize_packed``. ``dequantize_reference`` is the plain-torch definition.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _config
+from ._common import BLOCK, check_out_dtype, resolve_backend
+from ._jit_math import e4m3_bits_to_fp32, fp32_to_bf16, pow2
+from .packing import k_from_packed_row_bytes, unpack
+
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
+_DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
+
+# ---------------------------------------------------------------------------- reference
+
+
+def dequantize_reference(
+    data: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """Plain-torch MXFP8 dequantize: e4m3 * 2^(b - 127) in fp32, then ``out_dtype``.
+
+    Args:
+        data: float8_e4m3fn [..., K]; scales: float8_e8m0fnu [..., K // 32].
+        out_dtype: torch.bfloat16 or torch.float32.
+    Returns:
+        out_dtype [..., K]; blocks with scale byte 0xFF are NaN.
+    """
+    _check_data_scales(data, scales)
+    check_out_dtype(out_dtype)
+    k = data.shape[-1]
+    b = scales.view(torch.uint8).to(torch.int32)
+    mult = torch.exp2((b - 127).to(torch.float64)).to(torch.float32)
+    y = data.float().reshape(*data.shape[:-1], k // BLOCK, BLOCK) * mult.unsqueeze(-1)
+    y = torch.where((b == 255).unsqueeze(-1), float("nan"), y)
+    return y.reshape(data.shape).to(out_dtype)
+
+
+def _check_data_scales(data: torch.Tensor, scales: torch.Tensor) -> None:
+    if data.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"data must be float8_e4m3fn, got {data.dtype}")
+    if scales.dtype not in (torch.float8_e8m0fnu, torch.uint8):
+        raise TypeError(f"scales must be float8_e8m0fnu (or its uint8 bytes), got {scales.dtype}")
+    if data.dim() == 0 or data.shape[-1] % BLOCK != 0:
+        raise ValueError(
+            f"data must have shape [..., K] with K a multiple of {BLOCK}, got {tuple(data.shape)}"
+        )
+    want = (*data.shape[:-1], data.shape[-1] // BLOCK)
+    if tuple(scales.shape) != want:
+        raise ValueError(
+            f"scales must have shape {want} for data of shape {tuple(data.shape)}, "
+            f"got {tuple(scales.shape)}"
+        )
+    if data.device != scales.device:
+        raise ValueError(f"data ({data.device}) and scales ({scales.device}) must share a device")
+
+
+# ---------------------------------------------------------------------------- kernel
+
+
+@triton.jit
+def _dequantize_kernel(
+    data_ptr,  # uint8, element (m, k) at m * stride_dm + k
+    scale_ptr,  # uint8, block (m, g) at m * stride_sm + g
+    out_ptr,  # bf16/fp32 [M, K] contiguous
+    n_groups,  # M * K // 32
+    groups_per_row,  # K // 32
+    stride_dm,
+    stride_sm,
+    stride_om,
+    BLOCK_G: tl.constexpr,
+    SOFT: tl.constexpr,
+    INT64: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    g = pid * BLOCK_G + tl.arange(0, BLOCK_G)
+    gmask = g < n_groups
+    row = g // groups_per_row
+    cg = g - row * groups_per_row
+    if INT64:
+        row = row.to(tl.int64)
+    col = cg[:, None] * 32 + tl.arange(0, 32)[None, :]
+    u = tl.load(data_ptr + row[:, None] * stride_dm + col, mask=gmask[:, None])
+    b = tl.load(scale_ptr + row * stride_sm + cg, mask=gmask).to(tl.int32)
+    # e4m3 * 2^(b - 127) as two exact power-of-two multiplies, each factor a normal fp32
+    e = b - 127
+    e_lo = e >> 1
+    y = e4m3_bits_to_fp32(u, SOFT) * pow2(e_lo)[:, None] * pow2(e - e_lo)[:, None]
+    y = tl.where((b == 255)[:, None], float("nan"), y)
+    out_ptrs = out_ptr + row[:, None] * stride_om + col
+    if out_ptr.dtype.element_ty == tl.bfloat16:
+        tl.store(out_ptrs, fp32_to_bf16(y, SOFT), mask=gmask[:, None])
+    else:
+        tl.store(out_ptrs, y, mask=gmask[:, None])
+
+
+def _launch(
+    data: torch.Tensor, scales: torch.Tensor, stride_dm: int, stride_sm: int, out: torch.Tensor
+) -> None:
+    """Run the dequantize kernel; data/scales are uint8 views, out is contiguous [M, K]."""
+    m, k = out.shape
+    n_groups = m * (k // BLOCK)
+    if n_groups == 0:
+        return
+    if n_groups >= 2**31:
+        raise ValueError(f"data has {n_groups} blocks of 32; at most 2**31 - 1 are supported")
+    soft = out.device.type == "cpu"
+    block_g = _config.INTERPRET_BLOCK_G if soft else _config.DEQUANTIZE_BLOCK_G
+    int64 = max((m - 1) * stride_dm + k + k // BLOCK, m * k) >= 2**31
+    _dequantize_kernel[(triton.cdiv(n_groups, block_g),)](
+        data,
+        scales,
+        out,
+        n_groups,
+        k // BLOCK,
+        stride_dm,
+        stride_sm,
+        k,
+        BLOCK_G=block_g,
+        SOFT=soft,
+        INT64=int64,
+        num_warps=_config.DEQUANTIZE_NUM_WARPS,
+    )
+
+
+# ---------------------------------------------------------------------------- custom ops
+
+
+@torch.library.custom_op("mxfp8_a2a::dequantize", mutates_args=())
+def _dequantize_op(data: torch.Tensor, scales: torch.Tensor, out_dtype: str) -> torch.Tensor:
+    k = data.shape[-1]
+    out = torch.empty(data.shape, dtype=_DTYPES[out_dtype], device=data.device)
+    d = data.reshape(-1, k).contiguous().view(torch.uint8)
+    s = scales.reshape(-1, k // BLOCK).contiguous().view(torch.uint8)
+    _launch(d, s, k, k // BLOCK, out.view(-1, k))
+    return out
+
+
+@_dequantize_op.register_fake
+def _(data: torch.Tensor, scales: torch.Tensor, out_dtype: str) -> torch.Tensor:
+    return data.new_empty(data.shape, dtype=_DTYPES[out_dtype])
+
+
+@torch.library.custom_op("mxfp8_a2a::dequantize_packed", mutates_args=())
+def _dequantize_packed_op(packed: torch.Tensor, out_dtype: str) -> torch.Tensor:
+    row = packed.shape[-1]
+    k = k_from_packed_row_bytes(row)
+    out = torch.empty((*packed.shape[:-1], k), dtype=_DTYPES[out_dtype], device=packed.device)
+    p = packed.reshape(-1, row).contiguous()
+    _launch(p, p[:, k:], row, row, out.view(-1, k))
+    return out
+
+
+@_dequantize_packed_op.register_fake
+def _(packed: torch.Tensor, out_dtype: str) -> torch.Tensor:
+    k = k_from_packed_row_bytes(packed.shape[-1])
+    return packed.new_empty((*packed.shape[:-1], k), dtype=_DTYPES[out_dtype])
+
+
+# ---------------------------------------------------------------------------- public
+
+
+def dequantize(
+    data: torch.Tensor,
+    scales: torch.Tensor,
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Dequantize MXFP8 ``data`` with its ``scales``.
+
+    Args:
+        data: float8_e4m3fn [..., K], K % 32 == 0.
+        scales: float8_e8m0fnu (or uint8 bytes) [..., K // 32].
+        out_dtype: torch.bfloat16 (default) or torch.float32.
+        backend: "auto" (Triton for CUDA tensors, the torch reference for CPU tensors),
+            "triton" (CPU tensors need TRITON_INTERPRET=1) or "torch".
+    Returns:
+        out_dtype [..., K] = e4m3 * 2^(b - 127); blocks whose scale byte is 0xFF are NaN.
+    """
+    _check_data_scales(data, scales)
+    check_out_dtype(out_dtype)
+    if resolve_backend(backend, data.device, _dequantize_kernel) == "torch":
+        return dequantize_reference(data, scales, out_dtype)
+    return _dequantize_op(data, scales.view(torch.float8_e8m0fnu), _DTYPE_NAMES[out_dtype])
+
+
+def dequantize_packed(
+    packed: torch.Tensor, *, out_dtype: torch.dtype = torch.bfloat16, backend: str = "auto"
+) -> torch.Tensor:
+    """Dequantize packed rows (uint8 [..., K + K // 32], see :mod:`mxfp8_a2a.packing`).
+
+    Returns:
+        out_dtype [..., K].
+    """
+    if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8:
+        raise TypeError(f"packed must be a uint8 tensor, got {getattr(packed, 'dtype', packed)}")
+    if packed.dim() == 0:
+        raise ValueError("packed must have shape [..., K + K // 32], got a scalar")
+    k_from_packed_row_bytes(packed.shape[-1])
+    check_out_dtype(out_dtype)
+    if resolve_backend(backend, packed.device, _dequantize_kernel) == "torch":
+        return dequantize_reference(*unpack(packed), out_dtype)
+    return _dequantize_packed_op(packed, _DTYPE_NAMES[out_dtype])
+
+
+__all__ = ["dequantize", "dequantize_packed", "dequantize_reference"]

@@ -1,0 +1,219 @@
+"""MXFP8 quantize: reference, Triton kernel, custom ops and the public functions.
+
+Layers: ``_quantize_kernel`` (Triton) -> ``_launch`` (checks, grid) -> custom ops
+``mxfp8_a2a::quantize`` / ``mxfp8_a2a::quantize_packed`` -> ``quantize`` / ``quantize_packed``.
+``quantize_reference`` is the plain-torch definition the kernel is tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _config
+from ._common import BLOCK, check_float_input, check_scaling_mode, resolve_backend
+from ._jit_math import E4M3_MAX, e8m0_from_amax_bits, e8m0_rceil_hw, fp32_to_e4m3_bits, pow2
+from .packing import pack, packed_row_bytes
+
+# ---------------------------------------------------------------------------- reference
+
+
+def quantize_reference(
+    x: torch.Tensor, scaling_mode: str = "rceil"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-torch MXFP8 quantize, the definition the kernels must match bit for bit.
+
+    Args:
+        x: bfloat16 or float32, shape [..., K], K % 32 == 0.
+        scaling_mode: "rceil" or "floor".
+    Returns:
+        data: float8_e4m3fn [..., K]; scales: float8_e8m0fnu [..., K // 32].
+    """
+    k = check_float_input(x)
+    check_scaling_mode(scaling_mode)
+    xb = x.float().reshape(*x.shape[:-1], k // BLOCK, BLOCK)
+    amax = xb.abs().amax(dim=-1)
+    if scaling_mode == "rceil":
+        q = (amax / E4M3_MAX).view(torch.int32)  # fp32 quotient
+        b = (q >> 23) + ((q & 0x7FFFFF) != 0).to(torch.int32)  # round up to a power of two
+    else:
+        b = (amax.view(torch.int32) >> 23) - 8
+    b = b.clamp(0, 254)  # inf -> 254 (largest finite scale)
+    nan_block = amax.isnan()
+    b = torch.where(nan_block, 255, b)
+    mult = torch.exp2((127 - b).to(torch.float64)).to(torch.float32)
+    y = (xb * mult.unsqueeze(-1)).clamp(-E4M3_MAX, E4M3_MAX)
+    y = torch.where(nan_block.unsqueeze(-1), float("nan"), y)
+    data = y.reshape(x.shape).to(torch.float8_e4m3fn)
+    return data, b.to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+# ---------------------------------------------------------------------------- kernel
+
+
+@triton.jit
+def _quantize_kernel(
+    x_ptr,  # bf16/fp32 [M, K], strides (stride_xm, stride_xk)
+    data_ptr,  # uint8, element (m, k) at m * stride_dm + k
+    scale_ptr,  # uint8, block (m, g) at m * stride_sm + g
+    n_groups,  # M * K // 32
+    groups_per_row,  # K // 32
+    stride_xm,
+    stride_xk,
+    stride_dm,
+    stride_sm,
+    RCEIL: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    SOFT: tl.constexpr,  # software float casts (interpreter)
+    HW_E8M0: tl.constexpr,  # sm_100+: hardware e8m0 conversion
+    INT64: tl.constexpr,  # offsets may pass 2**31
+):
+    pid = tl.program_id(0)
+    g = pid * BLOCK_G + tl.arange(0, BLOCK_G)
+    gmask = g < n_groups
+    row = g // groups_per_row
+    cg = g - row * groups_per_row
+    if INT64:
+        row = row.to(tl.int64)
+    col = cg[:, None] * 32 + tl.arange(0, 32)[None, :]
+    x = tl.load(x_ptr + row[:, None] * stride_xm + col * stride_xk, mask=gmask[:, None])
+    x = x.to(tl.float32)
+    amax_bits = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
+    if HW_E8M0 and RCEIL:
+        b = e8m0_rceil_hw(amax_bits.to(tl.float32, bitcast=True))
+        b = tl.where(amax_bits > 0x7F800000, 255, b)
+    else:
+        b = e8m0_from_amax_bits(amax_bits, RCEIL)
+    # x * 2^(127 - b) as two exact power-of-two multiplies, each factor a normal fp32
+    e = 127 - b
+    e_lo = e >> 1
+    y = x * pow2(e_lo)[:, None] * pow2(e - e_lo)[:, None]
+    y = tl.minimum(tl.maximum(y, -E4M3_MAX), E4M3_MAX)
+    y = tl.where((b == 255)[:, None], float("nan"), y)
+    tl.store(data_ptr + row[:, None] * stride_dm + col, fp32_to_e4m3_bits(y, SOFT), mask=gmask[:, None])
+    tl.store(scale_ptr + row * stride_sm + cg, b.to(tl.uint8), mask=gmask)
+
+
+def _needs_int64(*extents: int) -> bool:
+    return max(extents, default=0) >= 2**31
+
+
+def _launch(
+    x2d: torch.Tensor,
+    data: torch.Tensor,
+    scales: torch.Tensor,
+    stride_dm: int,
+    stride_sm: int,
+    scaling_mode: str,
+) -> None:
+    """Run the quantize kernel on x2d [M, K]; data/scales are uint8 views of the outputs."""
+    m, k = x2d.shape
+    n_groups = m * (k // BLOCK)
+    if n_groups == 0:
+        return
+    if n_groups >= 2**31:
+        raise ValueError(f"x has {n_groups} blocks of 32; at most 2**31 - 1 are supported")
+    soft = x2d.device.type == "cpu"
+    hw_e8m0 = not soft and torch.cuda.get_device_capability(x2d.device)[0] >= 10
+    block_g = _config.INTERPRET_BLOCK_G if soft else _config.QUANTIZE_BLOCK_G
+    int64 = _needs_int64(
+        (m - 1) * x2d.stride(0) + (k - 1) * x2d.stride(1) + 1, (m - 1) * stride_dm + k + k // 32
+    )
+    grid = (triton.cdiv(n_groups, block_g),)
+    _quantize_kernel[grid](
+        x2d,
+        data,
+        scales,
+        n_groups,
+        k // BLOCK,
+        x2d.stride(0),
+        x2d.stride(1),
+        stride_dm,
+        stride_sm,
+        RCEIL=scaling_mode == "rceil",
+        BLOCK_G=block_g,
+        SOFT=soft,
+        HW_E8M0=hw_e8m0,
+        INT64=int64,
+        num_warps=_config.QUANTIZE_NUM_WARPS,
+    )
+
+
+# ---------------------------------------------------------------------------- custom ops
+
+
+@torch.library.custom_op("mxfp8_a2a::quantize", mutates_args=())
+def _quantize_op(x: torch.Tensor, scaling_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    k = x.shape[-1]
+    x2d = x.reshape(-1, k)
+    data = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty((*x.shape[:-1], k // BLOCK), dtype=torch.float8_e8m0fnu, device=x.device)
+    _launch(x2d, data.view(torch.uint8), scales.view(torch.uint8), k, k // BLOCK, scaling_mode)
+    return data, scales
+
+
+@_quantize_op.register_fake
+def _(x: torch.Tensor, scaling_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    k = x.shape[-1]
+    data = x.new_empty(x.shape, dtype=torch.float8_e4m3fn)
+    return data, x.new_empty((*x.shape[:-1], k // BLOCK), dtype=torch.float8_e8m0fnu)
+
+
+@torch.library.custom_op("mxfp8_a2a::quantize_packed", mutates_args=())
+def _quantize_packed_op(x: torch.Tensor, scaling_mode: str) -> torch.Tensor:
+    k = x.shape[-1]
+    row = packed_row_bytes(k)
+    out = torch.empty((*x.shape[:-1], row), dtype=torch.uint8, device=x.device)
+    _launch(x.reshape(-1, k), out, out[..., k:], row, row, scaling_mode)
+    return out
+
+
+@_quantize_packed_op.register_fake
+def _(x: torch.Tensor, scaling_mode: str) -> torch.Tensor:
+    k = x.shape[-1]
+    return x.new_empty((*x.shape[:-1], packed_row_bytes(k)), dtype=torch.uint8)
+
+
+# ---------------------------------------------------------------------------- public
+
+
+def quantize(
+    x: torch.Tensor, *, scaling_mode: str = "rceil", backend: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``x`` to MXFP8: e4m3 elements, one e8m0 scale per 32 values of the last dim.
+
+    Args:
+        x: bfloat16 or float32, shape [..., K], K % 32 == 0; any strides.
+        scaling_mode: "rceil" (scale = smallest power of two >= amax / 448) or "floor"
+            (OCP: 2^(floor(log2(amax)) - 8), elements saturate to +-448).
+        backend: "auto" (Triton for CUDA tensors, the torch reference for CPU tensors),
+            "triton" (CPU tensors need TRITON_INTERPRET=1) or "torch".
+    Returns:
+        data: float8_e4m3fn [..., K]; scales: float8_e8m0fnu [..., K // 32]. A block with a
+        NaN gets scale 0xFF and NaN elements; a block with inf gets scale 0xFE.
+    """
+    check_float_input(x)
+    check_scaling_mode(scaling_mode)
+    if resolve_backend(backend, x.device, _quantize_kernel) == "torch":
+        return quantize_reference(x, scaling_mode)
+    return _quantize_op(x, scaling_mode)
+
+
+def quantize_packed(
+    x: torch.Tensor, *, scaling_mode: str = "rceil", backend: str = "auto"
+) -> torch.Tensor:
+    """Quantize ``x`` straight into the packed wire layout (one kernel, one buffer).
+
+    Args: as :func:`quantize`.
+    Returns:
+        uint8 [..., K + K // 32]: each row holds its K e4m3 bytes, then its K/32 scale bytes.
+    """
+    check_float_input(x)
+    check_scaling_mode(scaling_mode)
+    if resolve_backend(backend, x.device, _quantize_kernel) == "torch":
+        return pack(*quantize_reference(x, scaling_mode))
+    return _quantize_packed_op(x, scaling_mode)
+
+
+__all__ = ["quantize", "quantize_packed", "quantize_reference"]
