@@ -26,13 +26,14 @@ def e8m0_from_amax_bits(amax_bits, RCEIL: tl.constexpr):
     RCEIL: the byte of the smallest power of two >= fp32(amax / 448). Derived without a
     division: with amax = 1.m * 2^E, amax / 448 = (1.m / 1.75) * 2^(E-8), so the byte is
     E_field - 8, plus one when 1.m > 1.75 (mantissa field > 0x600000). Quotients that are
-    fp32 subnormals give byte 1, quotients that round to zero (amax_bits <= 224) byte 0.
+    fp32 subnormals give byte 1, except those that round to <= 2^-127 (byte 0): exactly
+    the amax at or below 1.75 * 2^-119 plus one ulp (bits 0x04600001).
     FLOOR: E_field - 8, clamped at 0. Both: inf -> 254, NaN -> 255.
     """
     exp_field = amax_bits >> 23
     if RCEIL:
         b = exp_field - 8 + ((amax_bits & 0x7FFFFF) > 0x600000).to(tl.int32)
-        b = tl.where(amax_bits > 224, tl.maximum(b, 1), 0)
+        b = tl.where(amax_bits > 0x04600001, tl.maximum(b, 1), 0)
     else:
         b = tl.maximum(exp_field - 8, 0)
     b = tl.where(amax_bits >= 0x7F800000, 254, b)
@@ -43,14 +44,17 @@ def e8m0_from_amax_bits(amax_bits, RCEIL: tl.constexpr):
 def e8m0_rceil_hw(amax):
     """RCEIL scale byte from the hardware ``cvt.rp.satfinite.ue8m0x2.f32`` (sm_100+)."""
     q = tl.math.div_rn(amax, E4M3_MAX)
-    return tl.inline_asm_elementwise(
-        "{ .reg .b16 t; cvt.rp.satfinite.ue8m0x2.f32 t, $1, $1; cvt.u32.u16 $0, t; }",
-        "=r,r",
-        [q],
-        dtype=tl.int32,
-        is_pure=True,
-        pack=1,
-    ) & 0xFF
+    return (
+        tl.inline_asm_elementwise(
+            "{ .reg .b16 t; cvt.rp.satfinite.ue8m0x2.f32 t, $1, $1; cvt.u32.u16 $0, t; }",
+            "=r,r",
+            [q],
+            dtype=tl.int32,
+            is_pure=True,
+            pack=1,
+        )
+        & 0xFF
+    )
 
 
 @triton.jit
@@ -85,6 +89,15 @@ def e4m3_bits_to_fp32(u, SOFT: tl.constexpr):
         return tl.where((v & 0x7F) == 0x7F, float("nan"), val)
     else:
         return u.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def to_fp32(x, SOFT: tl.constexpr):
+    """Widen bf16/fp32 ``x`` to fp32 exactly (the interpreter flushes bf16 subnormals)."""
+    if SOFT and x.dtype == tl.bfloat16:
+        return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return x.to(tl.float32)
 
 
 @triton.jit

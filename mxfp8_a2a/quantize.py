@@ -13,7 +13,14 @@ import triton.language as tl
 
 from . import _config
 from ._common import BLOCK, check_float_input, check_scaling_mode, resolve_backend
-from ._jit_math import E4M3_MAX, e8m0_from_amax_bits, e8m0_rceil_hw, fp32_to_e4m3_bits, pow2
+from ._jit_math import (
+    E4M3_MAX,
+    e8m0_from_amax_bits,
+    e8m0_rceil_hw,
+    fp32_to_e4m3_bits,
+    pow2,
+    to_fp32,
+)
 from .packing import pack, packed_row_bytes
 
 # ---------------------------------------------------------------------------- reference
@@ -35,11 +42,14 @@ def quantize_reference(
     xb = x.float().reshape(*x.shape[:-1], k // BLOCK, BLOCK)
     amax = xb.abs().amax(dim=-1)
     if scaling_mode == "rceil":
-        q = (amax / E4M3_MAX).view(torch.int32)  # fp32 quotient
-        b = (q >> 23) + ((q & 0x7FFFFF) != 0).to(torch.int32)  # round up to a power of two
+        # smallest power of two >= the fp32 quotient: its exponent field, plus one if any
+        # mantissa bit is set; a subnormal quotient rounds up to 2^-127 (byte 0) or 2^-126
+        q = (amax / E4M3_MAX).view(torch.int32)
+        b = (q >> 23) + ((q & 0x7FFFFF) != 0).to(torch.int32)
+        b = torch.where(q >> 23 == 0, (q > 0x400000).to(torch.int32), b)
     else:
         b = (amax.view(torch.int32) >> 23) - 8
-    b = b.clamp(0, 254)  # inf -> 254 (largest finite scale)
+    b = torch.where(amax.isinf(), 254, b.clamp(0, 254))  # inf -> the largest finite scale
     nan_block = amax.isnan()
     b = torch.where(nan_block, 255, b)
     mult = torch.exp2((127 - b).to(torch.float64)).to(torch.float32)
@@ -78,7 +88,7 @@ def _quantize_kernel(
         row = row.to(tl.int64)
     col = cg[:, None] * 32 + tl.arange(0, 32)[None, :]
     x = tl.load(x_ptr + row[:, None] * stride_xm + col * stride_xk, mask=gmask[:, None])
-    x = x.to(tl.float32)
+    x = to_fp32(x, SOFT)
     amax_bits = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
     if HW_E8M0 and RCEIL:
         b = e8m0_rceil_hw(amax_bits.to(tl.float32, bitcast=True))
@@ -91,7 +101,9 @@ def _quantize_kernel(
     y = x * pow2(e_lo)[:, None] * pow2(e - e_lo)[:, None]
     y = tl.minimum(tl.maximum(y, -E4M3_MAX), E4M3_MAX)
     y = tl.where((b == 255)[:, None], float("nan"), y)
-    tl.store(data_ptr + row[:, None] * stride_dm + col, fp32_to_e4m3_bits(y, SOFT), mask=gmask[:, None])
+    tl.store(
+        data_ptr + row[:, None] * stride_dm + col, fp32_to_e4m3_bits(y, SOFT), mask=gmask[:, None]
+    )
     tl.store(scale_ptr + row * stride_sm + cg, b.to(tl.uint8), mask=gmask)
 
 

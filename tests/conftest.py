@@ -1,0 +1,12 @@
+"""Test set-up: without CUDA, Triton kernels run on CPU tensors through the interpreter.
+
+TRITON_INTERPRET must be set before triton.jit decorates the kernels, so before
+mxfp8_a2a is imported. With CUDA present the kernels are compiled and CPU-kernel cases skip.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
