@@ -1,16 +1,21 @@
 """MXFP8 all-to-all for expert-parallel Mixture-of-Experts.
 
 Public API:
+    to_mxfp8_a2a_dequant             -- differentiable all-to-all that sends rows as MXFP8
+    compute_output_splits            -- output_splits from input_splits (one small exchange)
     quantize, dequantize             -- MXFP8 casts (e4m3 + one e8m0 scale per 32 values)
     quantize_packed, dequantize_packed, pack, unpack, packed_row_bytes -- the wire layout
     quantize_reference, dequantize_reference -- plain-torch definitions of the casts
 """
 
+from .a2a import compute_output_splits, to_mxfp8_a2a_dequant
 from .dequantize import dequantize, dequantize_packed, dequantize_reference
 from .packing import pack, packed_row_bytes, unpack
 from .quantize import quantize, quantize_packed, quantize_reference
 
 __all__ = [
+    "compute_output_splits",
+    "to_mxfp8_a2a_dequant",
     "dequantize",
     "dequantize_packed",
     "dequantize_reference",

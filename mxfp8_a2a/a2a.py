@@ -1,0 +1,209 @@
+"""The MXFP8 all-to-all: quantize, one exchange of packed rows, dequantize; and its backward.
+
+Layers: ``_exchange`` (quantize_packed -> all_to_all_single of uint8 rows ->
+dequantize_packed) -> ``_MXFP8AllToAll`` (autograd) -> ``to_mxfp8_a2a_dequant``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from ._common import check_float_input, check_scaling_mode
+from .dequantize import dequantize_packed
+from .quantize import quantize_packed
+
+Splits = Sequence[int] | torch.Tensor
+
+VALIDATE_ENV = "MXFP8_A2A_VALIDATE"
+
+# torch >= 2.13 renames all_gather_into_tensor to all_gather_single
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _splits_list(splits: Splits, name: str, device: torch.device) -> list[int]:
+    if isinstance(splits, torch.Tensor):
+        if splits.dim() != 1 or splits.dtype.is_floating_point or splits.dtype.is_complex:
+            raise TypeError(f"{name} must be a 1-D integer tensor or a list of ints")
+        if splits.device.type != "cpu" and splits.device != device:
+            raise ValueError(
+                f"{name} is on {splits.device} but x is on {device}; keep the splits on the "
+                "CPU or on x's device"
+            )
+        return [int(v) for v in splits.tolist()]  # a host sync for device tensors
+    try:
+        out = [int(v) for v in splits]
+    except TypeError:
+        raise TypeError(f"{name} must be a list of ints or a 1-D integer tensor") from None
+    if any(o != v for o, v in zip(out, splits, strict=True)):
+        raise TypeError(f"{name} must hold integers, got {list(splits)}")
+    return out
+
+
+def _comm_device(group: dist.ProcessGroup | None) -> torch.device:
+    """The device the collectives of ``group`` take tensors on (CUDA for NCCL)."""
+    if "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def compute_output_splits(
+    input_splits: Splits, group: dist.ProcessGroup | None = None
+) -> list[int]:
+    """Exchange row counts so that each rank learns how many rows it receives from each rank.
+
+    Args:
+        input_splits: rows this rank sends to each rank of ``group`` (length = group size).
+        group: process group (default: the world).
+    Returns:
+        output_splits: list of ints, rows this rank receives from each rank.
+    One all_to_all_single of group-size int64 values, then a host sync to read them.
+    """
+    world = dist.get_world_size(group)
+    splits = _splits_list(input_splits, "input_splits", torch.device("cpu"))
+    if len(splits) != world:
+        raise ValueError(f"input_splits has {len(splits)} entries; the group has {world} ranks")
+    dev = _comm_device(group)
+    send = torch.tensor(splits, dtype=torch.int64, device=dev)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return recv.tolist()
+
+
+def _check_splits(
+    x: torch.Tensor, output_splits: list[int], input_splits: list[int], world: int
+) -> None:
+    for name, s in (("input_splits", input_splits), ("output_splits", output_splits)):
+        if len(s) != world:
+            raise ValueError(
+                f"{name} has {len(s)} entries but the group has {world} ranks; give one "
+                "count per rank"
+            )
+        if any(v < 0 for v in s):
+            raise ValueError(f"{name} must be non-negative, got {s}")
+    if sum(input_splits) != x.shape[0]:
+        raise ValueError(
+            f"input_splits sum to {sum(input_splits)} but x has {x.shape[0]} rows; they must "
+            "sum to x.shape[0]"
+        )
+
+
+def _check_all_ranks(
+    error: Exception | None,
+    output_splits: list[int],
+    input_splits: list[int],
+    group: dist.ProcessGroup | None,
+) -> None:
+    """One all_gather of [error flag, input_splits, output_splits]; every rank raises alike."""
+    world = dist.get_world_size(group)
+    n = 1 + 2 * world
+    payload = [0] + input_splits + output_splits if error is None else [1] + [0] * (n - 1)
+    mine = torch.tensor(payload, dtype=torch.int64, device=_comm_device(group))
+    table = torch.empty(world * n, dtype=torch.int64, device=mine.device)
+    _all_gather(table, mine, group=group)
+    rows = table.view(world, n).tolist()
+    bad = [r for r in range(world) if rows[r][0]]
+    if error is not None:
+        raise error
+    if bad:
+        raise ValueError(f"to_mxfp8_a2a_dequant: bad arguments on rank(s) {bad} of the group")
+    for src in range(world):
+        for dst in range(world):
+            sent = rows[src][1 + dst]
+            expected = rows[dst][1 + world + src]
+            if sent != expected:
+                raise ValueError(
+                    f"splits disagree: rank {src} sends {sent} rows to rank {dst} "
+                    f"(input_splits[{dst}] on rank {src}) but rank {dst} expects {expected} "
+                    f"(output_splits[{src}] on rank {dst}); compute output_splits with "
+                    "compute_output_splits(input_splits)"
+                )
+
+
+def _exchange(
+    x: torch.Tensor,
+    output_splits: list[int],
+    input_splits: list[int],
+    group: dist.ProcessGroup | None,
+    scaling_mode: str,
+) -> torch.Tensor:
+    """quantize_packed -> one all_to_all_single of uint8 rows -> dequantize_packed."""
+    packed = quantize_packed(x, scaling_mode=scaling_mode)
+    if torch.compiler.is_compiling():
+        recv = funcol.all_to_all_single(
+            packed, output_splits, input_splits, group or dist.group.WORLD
+        )
+        recv = funcol.wait_tensor(recv)
+    else:
+        recv = packed.new_empty((sum(output_splits), packed.shape[1]))
+        dist.all_to_all_single(recv, packed, output_splits, input_splits, group=group)
+    return dequantize_packed(recv, out_dtype=x.dtype)
+
+
+class _MXFP8AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, output_splits, input_splits, group, scaling_mode):
+        ctx.output_splits, ctx.input_splits = output_splits, input_splits
+        ctx.group, ctx.scaling_mode = group, scaling_mode
+        return _exchange(x, output_splits, input_splits, group, scaling_mode)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad_x = _exchange(grad, ctx.input_splits, ctx.output_splits, ctx.group, ctx.scaling_mode)
+        return grad_x, None, None, None, None
+
+
+def to_mxfp8_a2a_dequant(
+    x: torch.Tensor,
+    output_splits: Splits,
+    input_splits: Splits,
+    group: dist.ProcessGroup | None = None,
+    *,
+    scaling_mode: str = "rceil",
+    validate: bool = False,
+) -> torch.Tensor:
+    """All-to-all of ``x``'s rows sent as MXFP8 and dequantized on arrival; differentiable.
+
+    Args:
+        x: [tokens, K] bfloat16 or float32 (CUDA over NCCL, CPU over gloo), K % 32 == 0,
+            rows grouped by destination rank.
+        output_splits: rows received from each rank of ``group`` (list of ints or 1-D
+            integer tensor; a device tensor costs a host sync).
+        input_splits: rows sent to each rank; must sum to tokens.
+        group: process group (default: the world).
+        scaling_mode: "rceil" (default) or "floor".
+        validate: check, with one all_gather of 2 * group-size + 1 int64 values and a host
+            sync, that the splits agree across ranks; every rank then raises the same error
+            instead of hanging. Also on when the environment variable MXFP8_A2A_VALIDATE=1.
+    Returns:
+        [sum(output_splits), K] in x's dtype, rows in source-rank order. Each row equals
+        dequantize(quantize(row sent)) bit for bit; a block holding NaN arrives as NaN, a
+        block holding inf keeps +-448 * 2^127 (inf) there and loses its small values.
+    Backward: the gradient is quantized, exchanged with the splits swapped, dequantized.
+    The collective is one all_to_all_single of uint8 rows [K e4m3 bytes | K/32 scale bytes].
+    """
+    world = dist.get_world_size(group)
+    out_splits: list[int] = []
+    in_splits: list[int] = []
+    error: Exception | None = None
+    try:
+        check_float_input(x)
+        check_scaling_mode(scaling_mode)
+        if x.dim() != 2:
+            raise ValueError(f"x must be 2-D [tokens, K], got shape {tuple(x.shape)}; flatten it")
+        if x.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"x must be a CPU (gloo) or CUDA (NCCL) tensor, got {x.device}")
+        out_splits = _splits_list(output_splits, "output_splits", x.device)
+        in_splits = _splits_list(input_splits, "input_splits", x.device)
+        _check_splits(x, out_splits, in_splits, world)
+    except (TypeError, ValueError) as e:
+        error = e
+    if validate or os.environ.get(VALIDATE_ENV, "0") == "1":
+        _check_all_ranks(error, out_splits, in_splits, group)
+    elif error is not None:
+        raise error
+    return _MXFP8AllToAll.apply(x, out_splits, in_splits, group, scaling_mode)

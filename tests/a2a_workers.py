@@ -1,0 +1,228 @@
+"""Worker bodies for the exchange tests; each runs on every rank of a process group.
+
+Data is drawn from a seed the test passes in (fresh per run), so any rank can rebuild what
+every other rank sent and check its own output bit for bit.
+"""
+
+from __future__ import annotations
+
+import resource
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+import mxfp8_a2a as mx
+
+
+def device_for(backend: str) -> torch.device:
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if backend == "nccl"
+        else torch.device("cpu")
+    )
+
+
+def split_matrix(
+    world: int, seed: int, max_rows: int = 9, zero_rank: bool = True
+) -> list[list[int]]:
+    """S[src][dst] rows src sends to dst; uneven, with zeros (rank world-1 sends nothing)."""
+    g = torch.Generator().manual_seed(seed)
+    s = torch.randint(0, max_rows + 1, (world, world), generator=g)
+    s[s % 4 == 1] = 0
+    if zero_rank:
+        s[world - 1, :] = 0
+    return s.tolist()
+
+
+def rank_input(src: int, rows: int, k: int, dtype, seed: int, device) -> torch.Tensor:
+    """The x rank ``src`` sends: random rows of many magnitudes."""
+    g = torch.Generator().manual_seed(seed * 1000 + src)
+    x = torch.randn(rows, k, generator=g) * torch.exp2(
+        torch.randint(-8, 9, (rows, 1), generator=g).float()
+    )
+    return x.to(dtype).to(device)
+
+
+def expected_rows(rank: int, s: list[list[int]], make, mode: str = "rceil") -> torch.Tensor:
+    """What ``rank`` must receive: from each source, in order, dequantize(quantize(rows))."""
+    parts = []
+    for src in range(len(s)):
+        x = make(src)
+        start = sum(s[src][:rank])
+        rows = x[start : start + s[src][rank]].cpu()
+        parts.append(mx.dequantize_reference(*mx.quantize_reference(rows, mode), rows.dtype))
+    return torch.cat(parts)
+
+
+def exact_forward_backward(rank, world, backend, seed, k, dtype, mode):
+    dev = device_for(backend)
+    s = split_matrix(world, seed)
+    in_splits = s[rank]
+    out_splits = [s[src][rank] for src in range(world)]
+    assert mx.compute_output_splits(in_splits) == out_splits
+
+    def make_x(src):
+        return rank_input(src, sum(s[src]), k, dtype, seed, dev)
+
+    def make_w(dst):  # the upstream gradient on rank dst
+        return rank_input(dst, sum(s[i][dst] for i in range(world)), k, dtype, seed + 7, dev)
+
+    x = make_x(rank).requires_grad_(True)
+    x_before = x.detach().clone()
+    out = mx.to_mxfp8_a2a_dequant(
+        x, torch.tensor(out_splits), in_splits, scaling_mode=mode, validate=True
+    )
+    assert out.dtype == dtype and out.shape == (sum(out_splits), k)
+    assert torch.equal(out.detach().cpu(), expected_rows(rank, s, make_x, mode))
+    out.backward(make_w(rank))
+    t = [[s[d][r] for d in range(world)] for r in range(world)]  # splits swapped
+    assert torch.equal(x.grad.cpu(), expected_rows(rank, t, make_w, mode))
+    assert torch.equal(x.detach(), x_before)  # input untouched
+
+
+def routing(rank, world, backend, seed):
+    """Rows encode (source, destination, index) exactly in e4m3; every row lands right."""
+    dev = device_for(backend)
+    s = split_matrix(world, seed, max_rows=40)
+    k = 64
+
+    def encode(src):
+        rows = []
+        for dst in range(world):
+            for i in range(s[src][dst]):
+                r = torch.zeros(k)
+                r[0], r[1] = src + 1, dst + 1
+                r[2:8] = torch.tensor([(i >> b) & 1 for b in range(6)], dtype=torch.float32)
+                r[32:] = torch.randn(32)
+                rows.append(r)
+        return torch.stack(rows) if rows else torch.zeros(0, k)
+
+    x = encode(rank).to(torch.bfloat16).to(dev)
+    out = mx.to_mxfp8_a2a_dequant(x, [s[i][rank] for i in range(world)], s[rank]).float().cpu()
+    row = 0
+    for src in range(world):
+        for i in range(s[src][rank]):
+            assert out[row, 0] == src + 1 and out[row, 1] == rank + 1, (row, out[row, :2])
+            got = sum(int(out[row, 2 + b]) << b for b in range(6))
+            assert got == i, (src, i, got)
+            row += 1
+    assert row == out.shape[0]
+
+
+def sqnr_vs_bf16(rank, world, backend, seed):
+    dev = device_for(backend)
+    s = split_matrix(world, seed, max_rows=64, zero_rank=False)
+    out_splits = [s[i][rank] for i in range(world)]
+    g = torch.Generator().manual_seed(seed + rank)
+    x = torch.randn(sum(s[rank]), 256, generator=g).to(torch.bfloat16).to(dev)
+    w = torch.randn(sum(out_splits), 256, generator=g).to(torch.bfloat16).to(dev)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ref = funcol.all_to_all_single_autograd(xa, out_splits, s[rank], dist.group.WORLD)
+    ref = funcol.wait_tensor(ref)
+    (ref.float() * w.float()).sum().backward()
+    out = mx.to_mxfp8_a2a_dequant(xb, out_splits, s[rank])
+    (out.float() * w.float()).sum().backward()
+
+    def sqnr(a, b):
+        a, b = a.double(), b.double()
+        return (10 * torch.log10(a.pow(2).sum() / (a - b).pow(2).sum())).item()
+
+    return sqnr(ref.detach(), out.detach()), sqnr(xa.grad, xb.grad)
+
+
+def edge_cases(rank, world, backend):
+    dev = device_for(backend)
+    # no rows anywhere
+    x = torch.zeros(0, 32, device=dev, requires_grad=True)
+    out = mx.to_mxfp8_a2a_dequant(x, [0] * world, [0] * world)
+    assert out.shape == (0, 32)
+    out.sum().backward()
+    assert x.grad.shape == (0, 32)
+    # a single row, from rank 0 to the last rank
+    x = torch.full((1 if rank == 0 else 0, 32), 3.0, device=dev)
+    in_splits = [0] * world
+    out_splits = [0] * world
+    if rank == 0:
+        in_splits[world - 1] = 1
+    if rank == world - 1:
+        out_splits[0] = 1
+    out = mx.to_mxfp8_a2a_dequant(x, out_splits, in_splits)
+    assert out.shape[0] == (1 if rank == world - 1 else 0)
+    # NaN and inf survive in their block
+    x = torch.ones(world, 64, device=dev)
+    x[:, 1] = float("nan")
+    x[:, 40] = float("inf")
+    out = mx.to_mxfp8_a2a_dequant(x, [1] * world, [1] * world)
+    assert out[:, :32].isnan().all() and out[:, 40].isinf().all()
+
+
+def bad_input(rank, world, backend):
+    """Each bad call raises on every rank before any collective, and the group still works."""
+    import pytest
+
+    dev = device_for(backend)
+    ones = [1] * world
+    x = torch.randn(world, 64, device=dev)
+    cases = [
+        (lambda: mx.to_mxfp8_a2a_dequant(x, ones, [2] * world), "input_splits sum to"),
+        (
+            lambda: mx.to_mxfp8_a2a_dequant(x, ones, [-1, 1 + world] + [0] * (world - 2)),
+            "non-negative",
+        ),
+        (lambda: mx.to_mxfp8_a2a_dequant(x, ones + [0], ones), "output_splits has"),
+        (lambda: mx.to_mxfp8_a2a_dequant(torch.randn(world, 48, device=dev), ones, ones), r"K=48"),
+        (lambda: mx.to_mxfp8_a2a_dequant(x.half(), ones, ones), "bfloat16 or float32"),
+        (lambda: mx.to_mxfp8_a2a_dequant(x.view(world, 2, 32), ones, ones), "2-D"),
+        (lambda: mx.to_mxfp8_a2a_dequant(x, ones, ones, scaling_mode="up"), "scaling_mode"),
+        (lambda: mx.to_mxfp8_a2a_dequant(x, [1.5] * world, ones), "integers"),
+    ]
+    if dev.type == "cuda":
+        cases.append(
+            (
+                lambda: mx.to_mxfp8_a2a_dequant(
+                    x,
+                    torch.ones(
+                        world, dtype=torch.int64, device="cuda:1" if rank == 0 else "cuda:0"
+                    ),
+                    ones,
+                ),
+                "keep the splits",
+            )
+        )
+    for call, match in cases:
+        with pytest.raises((ValueError, TypeError), match=match):
+            call()
+    # splits that disagree: rank 0 sends 2 rows to rank 1, rank 1 expects 1 -> every rank raises
+    in_splits, out_splits = list(ones), list(ones)
+    if rank == 0:
+        in_splits = [1, 2] + [1] * (world - 2)
+    y = torch.randn(sum(in_splits), 64, device=dev)
+    with pytest.raises(ValueError, match="splits disagree: rank 0 sends 2 rows to rank 1"):
+        mx.to_mxfp8_a2a_dequant(y, out_splits, in_splits, validate=True)
+    # a bad argument on one rank only: with validate every rank raises
+    z = torch.randn(world, 64 if rank else 48, device=dev)
+    with pytest.raises(ValueError, match="K=48" if rank == 0 else "bad arguments on rank"):
+        if rank == 0:
+            mx.to_mxfp8_a2a_dequant(z, ones, ones, validate=True)
+        else:
+            mx.to_mxfp8_a2a_dequant(z, ones, ones, validate=True)
+    # the group is still usable
+    out = mx.to_mxfp8_a2a_dequant(x, ones, ones)
+    assert out.shape == (world, 64)
+
+
+def memory_flat(rank, world, backend, calls):
+    dev = device_for(backend)
+    x = torch.randn(4 * world, 64, device=dev, requires_grad=True)
+    splits = [4] * world
+
+    def step():
+        mx.to_mxfp8_a2a_dequant(x, splits, splits).sum().backward()
+
+    for _ in range(200):
+        step()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    for _ in range(calls):
+        step()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before  # KiB

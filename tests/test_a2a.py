@@ -1,0 +1,75 @@
+"""The MXFP8 exchange on spawned process groups: gloo on CPU (CI), NCCL on >= 2 GPUs."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from a2a_workers import (
+    bad_input,
+    edge_cases,
+    exact_forward_backward,
+    memory_flat,
+    routing,
+    sqnr_vs_bf16,
+)
+from dist_utils import run_distributed
+
+GLOO_WORLDS = [2, 3, 4]
+BACKENDS = [
+    pytest.param("gloo", id="gloo"),
+    pytest.param(
+        "nccl",
+        id="nccl",
+        marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
+    ),
+]
+
+
+def _worlds(backend: str) -> list[int]:
+    return GLOO_WORLDS if backend == "gloo" else [torch.cuda.device_count()]
+
+
+def _seed() -> int:
+    return random.SystemRandom().randrange(2**31)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_exact_forward_backward(backend):
+    for world in _worlds(backend):
+        for dtype, mode in [(torch.bfloat16, "rceil"), (torch.float32, "floor")]:
+            seed = _seed()
+            run_distributed(
+                exact_forward_backward, world, backend, seed, 96, dtype, mode, backend=backend
+            )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_routing(backend):
+    for world in _worlds(backend):
+        run_distributed(routing, world, backend, _seed(), backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sqnr_vs_bf16_exchange(backend):
+    world = _worlds(backend)[0]
+    for fwd, grad in run_distributed(sqnr_vs_bf16, world, backend, _seed(), backend=backend):
+        assert fwd >= 30.0 and grad >= 28.0, (fwd, grad)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_edge_cases(backend):
+    for world in _worlds(backend)[:2]:
+        run_distributed(edge_cases, world, backend, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_input_raises_on_every_rank(backend):
+    world = _worlds(backend)[-1]
+    run_distributed(bad_input, world, backend, backend=backend)
+
+
+def test_memory_flat_over_10000_calls():
+    growth = run_distributed(memory_flat, 2, "gloo", 10_000)
+    assert max(growth) < 20 * 1024, f"max RSS grew by {growth} KiB over 10000 calls"
