@@ -1,0 +1,284 @@
+"""bf16 vs MXFP8 all-to-all exchange, forward, backward and forward+backward.
+
+Start with torchrun, one process per GPU (NCCL), or on a machine without GPUs (gloo):
+
+    torchrun --nproc-per-node=2 benchmarks/bench_a2a.py
+    torchrun --nproc-per-node=2 benchmarks/bench_a2a.py --shape 256x512 --iters 3 --json out.json
+
+Each timed iteration: barrier, device sync, then CUDA events (host clock on CPU) around
+exactly what a training step calls. The median over --iters iterations after warm-up is
+taken per rank, then the max over ranks. Shapes are TOKENSxDIM per rank.
+
+Columns: algbw = logical bf16 bytes each rank sends (tokens x dim x 2) / time; busbw =
+algbw * (n-1)/n (nccl-tests all-to-all definitions); the mxfp8 phases are quantize,
+exchange (the packed uint8 all_to_all_single) and dequantize, each timed alone.
+
+Environment: NCCL_P2P_DISABLE=1 makes NCCL go through host memory on one host, a stand-in
+for an inter-node link. MXFP8_A2A_VALIDATE=1 turns on the split check (one extra small
+collective per call).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from common import Progress, median, parse_shape, versions, write_json
+from tabulate import tabulate
+
+import mxfp8_a2a as mx
+from mxfp8_a2a.dequantize import dequantize_packed
+from mxfp8_a2a.quantize import quantize_packed
+
+GPU_SHAPES = [f"{t}x5120" for t in (256, 2048, 8192, 16384, 32768, 65536, 131072)] + ["16384x7168"]
+CPU_SHAPES = ["256x512"]
+
+
+class _Bf16AllToAll(torch.autograd.Function):
+    """The bf16 baseline: all_to_all_single forward, the same with splits swapped backward."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits):
+        ctx.splits = (out_splits, in_splits)
+        out = x.new_empty((sum(out_splits), x.shape[1]))
+        dist.all_to_all_single(out, x, out_splits, in_splits)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        gx = grad.new_empty((sum(in_splits), grad.shape[1]))
+        dist.all_to_all_single(gx, grad.contiguous(), in_splits, out_splits)
+        return gx, None, None
+
+
+def make_splits(tokens: int, world: int, rank: int, kind: str) -> list[int]:
+    if kind == "equal":
+        base = [tokens // world] * world
+    else:  # Zipf-like: destination j (counted from this rank) gets weight 1 / (j + 1)
+        w = [1.0 / (((j - rank) % world) + 1) for j in range(world)]
+        base = [int(tokens * v / sum(w)) for v in w]
+    base[rank] += tokens - sum(base)
+    return base
+
+
+class Timer:
+    """Per-iteration timing: barrier + sync before each, CUDA events (or host clock) around."""
+
+    def __init__(self, device: torch.device, iters: int, warmup: int):
+        self.device, self.iters, self.warmup = device, iters, warmup
+
+    def __call__(
+        self, fn: Callable[[object], object], setup: Callable[[], object] | None = None
+    ) -> float:
+        cuda = self.device.type == "cuda"
+        times, events = [], []
+        for i in range(self.warmup + self.iters):
+            state = setup() if setup else None
+            dist.barrier()
+            if cuda:
+                torch.cuda.synchronize()
+                start, end = (
+                    torch.cuda.Event(enable_timing=True),
+                    torch.cuda.Event(enable_timing=True),
+                )
+                start.record()
+                fn(state)
+                end.record()
+                if i >= self.warmup:
+                    events.append((start, end))
+            else:
+                t0 = time.perf_counter()
+                fn(state)
+                if i >= self.warmup:
+                    times.append((time.perf_counter() - t0) * 1e3)
+        if cuda:
+            torch.cuda.synchronize()
+            times = [s.elapsed_time(e) for s, e in events]
+        t = torch.tensor([median(times)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item()
+
+
+def sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:
+    ref, approx = ref.double(), approx.double()
+    num, den = ref.pow(2).sum(), (ref - approx).pow(2).sum()
+    for v in (num, den):
+        dist.all_reduce(v)
+    return (10 * torch.log10(num / den)).item()
+
+
+def time_directions(name, f, x, grad, timer) -> dict:
+    """Forward (no grad), backward alone (graph built untimed), forward+backward."""
+
+    def fwd_graph():
+        return f(x.detach().requires_grad_(True))
+
+    with torch.no_grad():
+        fwd = timer(lambda _: f(x))
+    bwd = timer(lambda y: y.backward(grad), setup=fwd_graph)
+    both = timer(lambda _: fwd_graph().backward(grad))
+    return {f"{name} fwd": fwd, f"{name} bwd": bwd, f"{name} fwd+bwd": both}
+
+
+def bench_shape(tokens, dim, kind, timer, device, mode):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    in_splits = make_splits(tokens, world, rank, kind)
+    out_splits = mx.compute_output_splits(in_splits)
+    x = torch.randn(tokens, dim, device=device, dtype=torch.bfloat16)
+    grad = torch.randn(sum(out_splits), dim, device=device, dtype=torch.bfloat16)
+
+    def bf16(x_):
+        return _Bf16AllToAll.apply(x_, out_splits, in_splits)
+
+    def mxfp8(x_):
+        return mx.to_mxfp8_a2a_dequant(x_, out_splits, in_splits, scaling_mode=mode)
+
+    res = {}
+    for name, f in (("bf16", bf16), ("mxfp8", mxfp8)):
+        res.update(time_directions(name, f, x, grad, timer))
+
+    packed = quantize_packed(x, scaling_mode=mode)
+    recv = packed.new_empty((sum(out_splits), packed.shape[1]))
+    res["quant"] = timer(lambda _: quantize_packed(x, scaling_mode=mode))
+    res["exchange"] = timer(lambda _: dist.all_to_all_single(recv, packed, out_splits, in_splits))
+    res["dequant"] = timer(lambda _: dequantize_packed(recv))
+    with torch.no_grad():
+        res["sqnr_db"] = sqnr_db(bf16(x), mxfp8(x))
+    res["bytes_per_rank_bf16"] = tokens * dim * 2
+    res["bytes_per_rank_mxfp8"] = tokens * mx.packed_row_bytes(dim)
+    return res
+
+
+def table_rows(shape: str, kind: str, r: dict, world: int) -> list[list]:
+    rows = []
+    for phase, factor in (("fwd", 1), ("bwd", 1), ("fwd+bwd", 2)):
+        b, m = r[f"bf16 {phase}"], r[f"mxfp8 {phase}"]
+        nbytes = r["bytes_per_rank_bf16"] * factor
+        algbw_b, algbw_m = nbytes / b / 1e6, nbytes / m / 1e6
+        bus = (world - 1) / world
+        rows.append(
+            [
+                shape,
+                kind,
+                phase,
+                b,
+                m,
+                b / m,
+                algbw_b,
+                algbw_b * bus,
+                algbw_m,
+                algbw_m * bus,
+                r["sqnr_db"],
+            ]
+        )
+    return rows
+
+
+HEADERS = [
+    "shape",
+    "splits",
+    "dir",
+    "bf16 ms",
+    "mxfp8 ms",
+    "speedup",
+    "bf16 algbw",
+    "bf16 busbw",
+    "mxfp8 algbw*",
+    "mxfp8 busbw*",
+    "SQNR dB",
+]
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--shape", action="append", help="TOKENSxDIM per rank (repeatable)")
+    p.add_argument("--splits", choices=["equal", "skewed"], default="equal")
+    p.add_argument("--iters", type=int, default=20, help="timed iterations (median; default 20)")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--scaling-mode", choices=["rceil", "floor"], default="rceil")
+    p.add_argument("--json", help="write all numbers to this JSON file (rank 0)")
+    p.add_argument("--plot", help="write a PNG of speedup vs tokens (needs matplotlib)")
+    args = p.parse_args(argv)
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shapes = args.shape or (GPU_SHAPES if cuda else CPU_SHAPES)
+    timer = Timer(device, args.iters, args.warmup)
+    info = versions() | {
+        "world_size": world,
+        "splits": args.splits,
+        "scaling_mode": args.scaling_mode,
+    }
+    info["NCCL_P2P_DISABLE"] = os.environ.get("NCCL_P2P_DISABLE", "0")
+    progress = Progress(len(shapes), enabled=rank == 0)
+    results, rows = {}, []
+    for text in shapes:
+        tokens, dim = parse_shape(text)
+        r = bench_shape(tokens, dim, args.splits, timer, device, args.scaling_mode)
+        results[text] = r
+        rows += table_rows(text, args.splits, r, world)
+        progress.step(text)
+    if rank == 0:
+        print(" ".join(f"{k}={v}" for k, v in info.items()))
+        print(tabulate(rows, headers=HEADERS, floatfmt=".3f"))
+        phases = [
+            [s, r["quant"], r["exchange"], r["dequant"], r["mxfp8 fwd"], r["bf16 fwd"]]
+            for s, r in results.items()
+        ]
+        print("\nmxfp8 phases, forward (ms, each timed alone):")
+        print(
+            tabulate(
+                phases,
+                headers=["shape", "quant", "exchange", "dequant", "mxfp8 fwd", "bf16 fwd"],
+                floatfmt=".3f",
+            )
+        )
+        print("* mxfp8 GB/s count the logical bf16 bytes, so they compare directly with bf16's.")
+        write_json(args.json, {"info": info, "results": results})
+        if args.plot:
+            plot(results, info, args.plot)
+    dist.destroy_process_group()
+
+
+def plot(results: dict, info: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    items = sorted(((parse_shape(s), r) for s, r in results.items()), key=lambda t: t[0])
+    for phase in ("fwd", "bwd", "fwd+bwd"):
+        xs = [t for (t, _), _ in items]
+        ys = [r[f"bf16 {phase}"] / r[f"mxfp8 {phase}"] for _, r in items]
+        ax.plot(xs, ys, marker="o", label=phase)
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens per rank")
+    ax.set_ylabel("speedup of mxfp8 over bf16")
+    p2p = " NCCL_P2P_DISABLE=1" if info.get("NCCL_P2P_DISABLE") == "1" else ""
+    ax.set_title(f"{info['gpu']} x{info['world_size']}{p2p}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

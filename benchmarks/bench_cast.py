@@ -1,0 +1,66 @@
+"""Bandwidth of the MXFP8 cast kernels against a device copy and torch.compile'd references.
+
+    python benchmarks/bench_cast.py [--shape 131072x5120 ...] [--json out.json]
+
+GB/s counts bytes read + written once each. Needs a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+from common import do_bench_ms, parse_shape, versions, write_json
+from tabulate import tabulate
+
+import mxfp8_a2a as mx
+
+DEFAULT_SHAPES = ["131072x5120", "8192x5120", "2048x7168"]
+
+
+def bench_shape(m: int, k: int) -> list[dict]:
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    data, scales = mx.quantize(x)
+    packed = mx.quantize_packed(x)
+    copy_dst = torch.empty_like(x)
+    q_ref = torch.compile(mx.quantize_reference)
+    dq_ref = torch.compile(mx.dequantize_reference)
+    n = m * k
+    q_bytes = 2 * n + n + n // 32
+    rows = [
+        ("device copy (bf16)", lambda: copy_dst.copy_(x), 4 * n),
+        ("quantize", lambda: mx.quantize(x), q_bytes),
+        ("quantize_packed", lambda: mx.quantize_packed(x), q_bytes),
+        ("torch.compile quantize_reference", lambda: q_ref(x), q_bytes),
+        ("dequantize", lambda: mx.dequantize(data, scales), q_bytes),
+        ("dequantize_packed", lambda: mx.dequantize_packed(packed), q_bytes),
+        ("torch.compile dequantize_reference", lambda: dq_ref(data, scales), q_bytes),
+    ]
+    out = []
+    for name, fn, nbytes in rows:
+        ms = do_bench_ms(fn)
+        out.append(
+            {"shape": f"{m}x{k}", "op": name, "ms": ms, "bytes": nbytes, "GB/s": nbytes / ms / 1e6}
+        )
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--shape", action="append", help="MxK (repeatable); default: %(default)s")
+    p.add_argument("--json", help="write the results to this JSON file")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("bench_cast.py needs a CUDA GPU")
+    results = []
+    for text in args.shape or DEFAULT_SHAPES:
+        results += bench_shape(*parse_shape(text))
+    info = versions()
+    print(" ".join(f"{k}={v}" for k, v in info.items()))
+    print(tabulate(results, headers="keys", floatfmt=".3f"))
+    write_json(args.json, {"versions": info, "results": results})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""Timing and reporting helpers shared by the benchmark scripts."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import triton
+
+
+def versions() -> dict:
+    info = {
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU)",
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    if torch.cuda.is_available():
+        info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    return info
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    try:
+        tokens, dim = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise SystemExit(
+            f"--shape must look like TOKENSxDIM (e.g. 8192x5120), got {text!r}"
+        ) from None
+    return tokens, dim
+
+
+def do_bench_ms(fn: Callable[[], object], warmup_ms: int = 50, rep_ms: int = 300) -> float:
+    """Median milliseconds of ``fn`` on the GPU (CUDA events, after warm-up)."""
+    return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def write_json(path: str | None, payload: dict) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(payload, f, indent=2)
+        print(f"wrote {path}", file=sys.stderr)
+
+
+class Progress:
+    """A one-line progress bar on stderr."""
+
+    def __init__(self, total: int, enabled: bool = True):
+        self.total, self.done, self.enabled = total, 0, enabled and total > 1
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        if self.enabled:
+            width = 30
+            filled = width * self.done // self.total
+            bar = "#" * filled + "." * (width - filled)
+            print(f"\r[{bar}] {self.done}/{self.total} {label:<30}", end="", file=sys.stderr)
+            if self.done == self.total:
+                print(file=sys.stderr)

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# On a GPU machine: GPU tests, the cast tuning sweep and the benchmark suite, logs in OUTDIR.
+#   scripts/gpu_check.sh OUTDIR [tests|tune|bench|all]...
+set -uo pipefail
+out=${1:?usage: scripts/gpu_check.sh OUTDIR [stage...]}
+shift
+stages=${*:-all}
+here=$(cd "$(dirname "$0")/.." && pwd)
+export PYTHONPATH="$here" PYTHONUNBUFFERED=1
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "nccl", torch.cuda.nccl.version())' | tee -a "$out/gpu.txt"
+has() { [[ " $stages " == *" $1 "* || " $stages " == *" all "* ]]; }
+if has tests; then
+  timeout 400 python3 -m pytest -q -rs --timeout 300 "$here/tests" 2>&1 | tail -40 | tee "$out/tests.txt"
+fi
+if has tune; then
+  timeout 200 python3 "$here/scripts/tune_cast.py" --json "$out/tune.json" 2>&1 | tee "$out/tune.txt" | tail -50
+fi
+if has bench; then
+  timeout 400 "$here/scripts/run_benchmarks.sh" "$out" 2>&1 | grep -v '^W1' | tail -80
+fi
