@@ -7,6 +7,7 @@ import torch
 SCALING_MODES = ("rceil", "floor")
 BACKENDS = ("auto", "triton", "torch")
 BLOCK = 32
+E4M3_MAX = 448.0  # largest finite e4m3fn value
 
 
 def check_scaling_mode(scaling_mode: str) -> None:

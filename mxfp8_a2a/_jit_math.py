@@ -10,7 +10,7 @@ to nearest even.
 import triton
 import triton.language as tl
 
-E4M3_MAX = 448.0
+E4M3_MAX = tl.constexpr(448.0)  # largest finite e4m3fn value
 
 
 @triton.jit

@@ -1,0 +1,36 @@
+"""The kernels compile for Hopper and Blackwell on any machine; only the Blackwell build
+carries the hardware e8m0 conversion, and both use the hardware e4m3 conversion."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def builds():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("compile_targets.py")
+    proc = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def test_every_variant_compiles(builds):
+    assert len(builds) == 2 * (2 * 2 + 2)
+
+
+def test_e8m0_instruction_only_on_blackwell(builds):
+    for b in builds:
+        if b["kernel"] == "quantize":
+            want = b["cap"] >= 100 and b["variant"].endswith("rceil")
+            assert b["ue8m0"] == want, b
+
+
+def test_hardware_e4m3_conversion(builds):
+    assert all(b["e4m3_cvt"] for b in builds), builds
