@@ -126,7 +126,7 @@ def time_directions(name, f, x, grad, timer) -> dict:
     return {f"{name} fwd": fwd, f"{name} bwd": bwd, f"{name} fwd+bwd": both}
 
 
-def bench_shape(tokens, dim, kind, timer, device, mode):
+def bench_shape(tokens, dim, kind, timer, device, mode, chunk_settings):
     world, rank = dist.get_world_size(), dist.get_rank()
     in_splits = make_splits(tokens, world, rank, kind)
     out_splits = mx.compute_output_splits(in_splits)
@@ -136,12 +136,15 @@ def bench_shape(tokens, dim, kind, timer, device, mode):
     def bf16(x_):
         return _Bf16AllToAll.apply(x_, out_splits, in_splits)
 
-    def mxfp8(x_):
-        return mx.to_mxfp8_a2a_dequant(x_, out_splits, in_splits, scaling_mode=mode)
+    res = time_directions("bf16", bf16, x, grad, timer)
+    for chunks in chunk_settings:
 
-    res = {}
-    for name, f in (("bf16", bf16), ("mxfp8", mxfp8)):
-        res.update(time_directions(name, f, x, grad, timer))
+        def mxfp8(x_, chunks=chunks):
+            return mx.to_mxfp8_a2a_dequant(
+                x_, out_splits, in_splits, scaling_mode=mode, chunks=chunks
+            )
+
+        res.update(time_directions(f"mxfp8 c={chunks or 'auto'}", mxfp8, x, grad, timer))
 
     packed = quantize_packed(x, scaling_mode=mode)
     recv = packed.new_empty((sum(out_splits), packed.shape[1]))
@@ -149,40 +152,44 @@ def bench_shape(tokens, dim, kind, timer, device, mode):
     res["exchange"] = timer(lambda _: dist.all_to_all_single(recv, packed, out_splits, in_splits))
     res["dequant"] = timer(lambda _: dequantize_packed(recv))
     with torch.no_grad():
-        res["sqnr_db"] = sqnr_db(bf16(x), mxfp8(x))
+        res["sqnr_db"] = sqnr_db(bf16(x), mx.to_mxfp8_a2a_dequant(x, out_splits, in_splits))
     res["bytes_per_rank_bf16"] = tokens * dim * 2
     res["bytes_per_rank_mxfp8"] = tokens * mx.packed_row_bytes(dim)
     return res
 
 
-def table_rows(shape: str, kind: str, r: dict, world: int) -> list[list]:
+def table_rows(shape: str, kind: str, r: dict, world: int, chunk_settings) -> list[list]:
     rows = []
-    for phase, factor in (("fwd", 1), ("bwd", 1), ("fwd+bwd", 2)):
-        b, m = r[f"bf16 {phase}"], r[f"mxfp8 {phase}"]
-        nbytes = r["bytes_per_rank_bf16"] * factor
-        algbw_b, algbw_m = nbytes / b / 1e6, nbytes / m / 1e6
-        bus = (world - 1) / world
-        rows.append(
-            [
-                shape,
-                kind,
-                phase,
-                b,
-                m,
-                b / m,
-                algbw_b,
-                algbw_b * bus,
-                algbw_m,
-                algbw_m * bus,
-                r["sqnr_db"],
-            ]
-        )
+    for chunks in chunk_settings:
+        label = chunks or "auto"
+        for phase, factor in (("fwd", 1), ("bwd", 1), ("fwd+bwd", 2)):
+            b, m = r[f"bf16 {phase}"], r[f"mxfp8 c={label} {phase}"]
+            nbytes = r["bytes_per_rank_bf16"] * factor
+            algbw_b, algbw_m = nbytes / b / 1e6, nbytes / m / 1e6
+            bus = (world - 1) / world
+            rows.append(
+                [
+                    shape,
+                    kind,
+                    label,
+                    phase,
+                    b,
+                    m,
+                    b / m,
+                    algbw_b,
+                    algbw_b * bus,
+                    algbw_m,
+                    algbw_m * bus,
+                    r["sqnr_db"],
+                ]
+            )
     return rows
 
 
 HEADERS = [
     "shape",
     "splits",
+    "chunks",
     "dir",
     "bf16 ms",
     "mxfp8 ms",
@@ -203,10 +210,21 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--splits", choices=["equal", "skewed"], default="equal")
     p.add_argument("--iters", type=int, default=20, help="timed iterations (median; default 20)")
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument(
+        "--chunks",
+        action="append",
+        help="mxfp8 chunks per rank pair: an int (default 1: one all_to_all_single) or 'auto'"
+        " (pipelined); repeat to compare",
+    )
     p.add_argument("--scaling-mode", choices=["rceil", "floor"], default="rceil")
     p.add_argument("--json", help="write all numbers to this JSON file (rank 0)")
     p.add_argument("--plot", help="write a PNG of speedup vs tokens (needs matplotlib)")
     args = p.parse_args(argv)
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            p.error("--plot needs matplotlib: pip install matplotlib (or 'mxfp8_a2a[plot]')")
 
     cuda = torch.cuda.is_available()
     if cuda:
@@ -220,32 +238,33 @@ def main(argv: list[str] | None = None) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     shapes = args.shape or (GPU_SHAPES if cuda else CPU_SHAPES)
     timer = Timer(device, args.iters, args.warmup)
+    chunk_settings = [None if c == "auto" else int(c) for c in (args.chunks or ["1"])]
     info = versions() | {
         "world_size": world,
         "splits": args.splits,
         "scaling_mode": args.scaling_mode,
     }
     info["NCCL_P2P_DISABLE"] = os.environ.get("NCCL_P2P_DISABLE", "0")
+    info["chunks"] = [c or "auto" for c in chunk_settings]
     progress = Progress(len(shapes), enabled=rank == 0)
     results, rows = {}, []
     for text in shapes:
         tokens, dim = parse_shape(text)
-        r = bench_shape(tokens, dim, args.splits, timer, device, args.scaling_mode)
+        r = bench_shape(tokens, dim, args.splits, timer, device, args.scaling_mode, chunk_settings)
         results[text] = r
-        rows += table_rows(text, args.splits, r, world)
+        rows += table_rows(text, args.splits, r, world, chunk_settings)
         progress.step(text)
     if rank == 0:
         print(" ".join(f"{k}={v}" for k, v in info.items()))
         print(tabulate(rows, headers=HEADERS, floatfmt=".3f"))
         phases = [
-            [s, r["quant"], r["exchange"], r["dequant"], r["mxfp8 fwd"], r["bf16 fwd"]]
-            for s, r in results.items()
+            [s, r["quant"], r["exchange"], r["dequant"], r["bf16 fwd"]] for s, r in results.items()
         ]
         print("\nmxfp8 phases, forward (ms, each timed alone):")
         print(
             tabulate(
                 phases,
-                headers=["shape", "quant", "exchange", "dequant", "mxfp8 fwd", "bf16 fwd"],
+                headers=["shape", "quant", "exchange", "dequant", "bf16 fwd"],
                 floatfmt=".3f",
             )
         )
@@ -266,7 +285,8 @@ def plot(results: dict, info: dict, path: str) -> None:
     items = sorted(((parse_shape(s), r) for s, r in results.items()), key=lambda t: t[0])
     for phase in ("fwd", "bwd", "fwd+bwd"):
         xs = [t for (t, _), _ in items]
-        ys = [r[f"bf16 {phase}"] / r[f"mxfp8 {phase}"] for _, r in items]
+        label = info["chunks"][0]
+        ys = [r[f"bf16 {phase}"] / r[f"mxfp8 c={label} {phase}"] for _, r in items]
         ax.plot(xs, ys, marker="o", label=phase)
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xscale("log", base=2)

@@ -6,9 +6,18 @@ Each kernel program handles ``BLOCK_G`` blocks of 32 elements. Values picked by
 that tests stay quick.
 """
 
-QUANTIZE_BLOCK_G = 64
+QUANTIZE_BLOCK_G = 256
 QUANTIZE_NUM_WARPS = 4
-DEQUANTIZE_BLOCK_G = 64
+DEQUANTIZE_BLOCK_G = 256
 DEQUANTIZE_NUM_WARPS = 4
 
 INTERPRET_BLOCK_G = 16
+
+# Pipelined exchange (mxfp8_a2a/_pipeline.py). Rows a (sender, receiver) pair exchanges are
+# split into chunks of about PIPELINE_CHUNK_BYTES wire bytes, at most PIPELINE_MAX_CHUNKS;
+# while chunks are in flight the cast kernels keep PIPELINE_RESERVED_SMS multiprocessors
+# free for the communication kernels. First values, to be set from bench_a2a sweeps.
+PIPELINE_CHUNK_BYTES = 64 << 20
+PIPELINE_MAX_CHUNKS = 8
+PIPELINE_RESERVED_SMS = 16
+PIPELINE_PROGRAMS_PER_SM = 8

@@ -14,6 +14,20 @@ E4M3_MAX = tl.constexpr(448.0)  # largest finite e4m3fn value
 
 
 @triton.jit
+def map_rows(row, seg_ptr, n_seg):
+    """Map chunk-local rows to rows of the full tensor through a segment table.
+
+    seg_ptr: int32 [2 * n_seg]; entries [0, n_seg) are the first chunk-local row of each
+    segment (non-decreasing, starting at 0), entries [n_seg, 2 * n_seg) the full-tensor row
+    where each segment starts. Empty segments are allowed.
+    """
+    seg = tl.zeros_like(row)
+    for j in range(1, n_seg):
+        seg += (row >= tl.load(seg_ptr + j)).to(row.dtype)
+    return tl.load(seg_ptr + n_seg + seg) + row - tl.load(seg_ptr + seg)
+
+
+@triton.jit
 def pow2(e):
     """2**e as fp32 for int32 ``e`` in [-126, 127] (built from the exponent field)."""
     return ((e + 127) << 23).to(tl.float32, bitcast=True)

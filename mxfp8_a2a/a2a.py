@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from ._common import check_float_input, check_scaling_mode
+from ._pipeline import exchange_pipelined
 from .dequantize import dequantize_packed
 from .quantize import quantize_packed
 
@@ -130,8 +131,14 @@ def _exchange(
     input_splits: list[int],
     group: dist.ProcessGroup | None,
     scaling_mode: str,
+    chunks: int | None,
 ) -> torch.Tensor:
-    """quantize_packed -> one all_to_all_single of uint8 rows -> dequantize_packed."""
+    """chunks == 1 (or under torch.compile): quantize_packed -> one all_to_all_single of
+    uint8 rows -> dequantize_packed. Otherwise the pipelined exchange of _pipeline.py."""
+    if chunks is None and x.device.type != "cuda":
+        chunks = 1  # nothing to overlap without streams; every rank of a gloo group is on CPU
+    if chunks != 1 and not torch.compiler.is_compiling():
+        return exchange_pipelined(x, output_splits, input_splits, group, scaling_mode, chunks)
     packed = quantize_packed(x, scaling_mode=scaling_mode)
     if torch.compiler.is_compiling():
         recv = funcol.all_to_all_single(
@@ -146,15 +153,17 @@ def _exchange(
 
 class _MXFP8AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, output_splits, input_splits, group, scaling_mode):
+    def forward(ctx, x, output_splits, input_splits, group, scaling_mode, chunks):
         ctx.output_splits, ctx.input_splits = output_splits, input_splits
-        ctx.group, ctx.scaling_mode = group, scaling_mode
-        return _exchange(x, output_splits, input_splits, group, scaling_mode)
+        ctx.group, ctx.scaling_mode, ctx.chunks = group, scaling_mode, chunks
+        return _exchange(x, output_splits, input_splits, group, scaling_mode, chunks)
 
     @staticmethod
     def backward(ctx, grad):
-        grad_x = _exchange(grad, ctx.input_splits, ctx.output_splits, ctx.group, ctx.scaling_mode)
-        return grad_x, None, None, None, None
+        grad_x = _exchange(
+            grad, ctx.input_splits, ctx.output_splits, ctx.group, ctx.scaling_mode, ctx.chunks
+        )
+        return grad_x, None, None, None, None, None
 
 
 def to_mxfp8_a2a_dequant(
@@ -164,6 +173,7 @@ def to_mxfp8_a2a_dequant(
     group: dist.ProcessGroup | None = None,
     *,
     scaling_mode: str = "rceil",
+    chunks: int | None = 1,
     validate: bool = False,
 ) -> torch.Tensor:
     """All-to-all of ``x``'s rows sent as MXFP8 and dequantized on arrival; differentiable.
@@ -176,6 +186,14 @@ def to_mxfp8_a2a_dequant(
         input_splits: rows sent to each rank; must sum to tokens.
         group: process group (default: the world).
         scaling_mode: "rceil" (default) or "floor".
+        chunks: 1 (default) sends everything with one all_to_all_single of packed rows (also
+            what torch.compile traces). None or an int > 1 pipelines the exchange: the rows
+            of each (sender, receiver) pair are cut into chunks (None: about 64 MiB each on
+            the wire, at most 8; an int: at most that many, the same on every rank), each
+            step goes out as one batch of isend/irecv while the next step is quantized and
+            the previous one dequantized on a side stream; rows a rank sends to itself stay
+            local. On 2x H200 over NVLink the pipelined path is slower than the default
+            (BENCHMARKS.md), so it is opt-in. On CPU, None means 1.
         validate: check, with one all_gather of 2 * group-size + 1 int64 values and a host
             sync, that the splits agree across ranks; every rank then raises the same error
             instead of hanging. Also on when the environment variable MXFP8_A2A_VALIDATE=1.
@@ -184,7 +202,7 @@ def to_mxfp8_a2a_dequant(
         dequantize(quantize(row sent)) bit for bit; a block holding NaN arrives as NaN, a
         block holding inf keeps +-448 * 2^127 (inf) there and loses its small values.
     Backward: the gradient is quantized, exchanged with the splits swapped, dequantized.
-    The collective is one all_to_all_single of uint8 rows [K e4m3 bytes | K/32 scale bytes].
+    On the wire each row is uint8 [K e4m3 bytes | K/32 scale bytes].
     """
     world = dist.get_world_size(group)
     out_splits: list[int] = []
@@ -195,6 +213,8 @@ def to_mxfp8_a2a_dequant(
         check_scaling_mode(scaling_mode)
         if x.dim() != 2:
             raise ValueError(f"x must be 2-D [tokens, K], got shape {tuple(x.shape)}; flatten it")
+        if chunks is not None and (not isinstance(chunks, int) or chunks < 1):
+            raise ValueError(f"chunks must be None or a positive int, got {chunks!r}")
         if x.device.type not in ("cpu", "cuda"):
             raise ValueError(f"x must be a CPU (gloo) or CUDA (NCCL) tensor, got {x.device}")
         out_splits = _splits_list(output_splits, "output_splits", x.device)
@@ -206,4 +226,4 @@ def to_mxfp8_a2a_dequant(
         _check_all_ranks(error, out_splits, in_splits, group)
     elif error is not None:
         raise error
-    return _MXFP8AllToAll.apply(x, out_splits, in_splits, group, scaling_mode)
+    return _MXFP8AllToAll.apply(x, out_splits, in_splits, group, scaling_mode, chunks)

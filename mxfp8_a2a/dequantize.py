@@ -13,7 +13,7 @@ import triton.language as tl
 
 from . import _config
 from ._common import BLOCK, check_out_dtype, resolve_backend
-from ._jit_math import e4m3_bits_to_fp32, fp32_to_bf16, pow2
+from ._jit_math import e4m3_bits_to_fp32, fp32_to_bf16, map_rows, pow2
 from .packing import k_from_packed_row_bytes, unpack
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -69,8 +69,10 @@ def _check_data_scales(data: torch.Tensor, scales: torch.Tensor) -> None:
 def _dequantize_kernel(
     data_ptr,  # uint8, element (m, k) at m * stride_dm + k
     scale_ptr,  # uint8, block (m, g) at m * stride_sm + g
-    out_ptr,  # bf16/fp32 [M, K] contiguous
-    n_groups,  # M * K // 32
+    out_ptr,  # bf16/fp32, element (m, k) at m * stride_om + k
+    seg_ptr,  # int32 segment table (ROW_MAP): input row -> row of out
+    n_seg,
+    n_groups,  # input rows * K // 32
     groups_per_row,  # K // 32
     stride_dm,
     stride_sm,
@@ -78,54 +80,77 @@ def _dequantize_kernel(
     BLOCK_G: tl.constexpr,
     SOFT: tl.constexpr,
     INT64: tl.constexpr,
+    ROW_MAP: tl.constexpr,  # scatter output rows through seg_ptr
 ):
-    pid = tl.program_id(0)
-    g = pid * BLOCK_G + tl.arange(0, BLOCK_G)
-    gmask = g < n_groups
-    row = g // groups_per_row
-    cg = g - row * groups_per_row
-    if INT64:
-        row = row.to(tl.int64)
-    col = cg[:, None] * 32 + tl.arange(0, 32)[None, :]
-    u = tl.load(data_ptr + row[:, None] * stride_dm + col, mask=gmask[:, None])
-    b = tl.load(scale_ptr + row * stride_sm + cg, mask=gmask).to(tl.int32)
-    # e4m3 * 2^(b - 127) as two exact power-of-two multiplies, each factor a normal fp32
-    e = b - 127
-    e_lo = e >> 1
-    y = e4m3_bits_to_fp32(u, SOFT) * pow2(e_lo)[:, None] * pow2(e - e_lo)[:, None]
-    y = tl.where((b == 255)[:, None], float("nan"), y)
-    out_ptrs = out_ptr + row[:, None] * stride_om + col
-    if out_ptr.dtype.element_ty == tl.bfloat16:
-        tl.store(out_ptrs, fp32_to_bf16(y, SOFT), mask=gmask[:, None])
-    else:
-        tl.store(out_ptrs, y, mask=gmask[:, None])
+    n_tiles = tl.cdiv(n_groups, BLOCK_G)
+    for tile in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
+        g = tile * BLOCK_G + tl.arange(0, BLOCK_G)
+        gmask = g < n_groups
+        row = g // groups_per_row
+        cg = g - row * groups_per_row
+        if ROW_MAP:
+            out_row = map_rows(row, seg_ptr, n_seg)
+        else:
+            out_row = row
+        if INT64:
+            row = row.to(tl.int64)
+            out_row = out_row.to(tl.int64)
+        col = cg[:, None] * 32 + tl.arange(0, 32)[None, :]
+        u = tl.load(data_ptr + row[:, None] * stride_dm + col, mask=gmask[:, None])
+        b = tl.load(scale_ptr + row * stride_sm + cg, mask=gmask).to(tl.int32)
+        # e4m3 * 2^(b - 127) as two exact power-of-two multiplies, each factor a normal fp32
+        e = b - 127
+        e_lo = e >> 1
+        y = e4m3_bits_to_fp32(u, SOFT) * pow2(e_lo)[:, None] * pow2(e - e_lo)[:, None]
+        y = tl.where((b == 255)[:, None], float("nan"), y)
+        out_ptrs = out_ptr + out_row[:, None] * stride_om + col
+        if out_ptr.dtype.element_ty == tl.bfloat16:
+            tl.store(out_ptrs, fp32_to_bf16(y, SOFT), mask=gmask[:, None])
+        else:
+            tl.store(out_ptrs, y, mask=gmask[:, None])
 
 
 def _launch(
-    data: torch.Tensor, scales: torch.Tensor, stride_dm: int, stride_sm: int, out: torch.Tensor
+    data: torch.Tensor,
+    scales: torch.Tensor,
+    stride_dm: int,
+    stride_sm: int,
+    out: torch.Tensor,
+    rows: int | None = None,
+    segments: torch.Tensor | None = None,
+    max_programs: int | None = None,
 ) -> None:
-    """Run the dequantize kernel; data/scales are uint8 views, out is contiguous [M, K]."""
+    """Dequantize ``rows`` rows (default: all of out) of uint8 data/scales into out [M, K].
+
+    With ``segments`` (int32 [2 * n_seg], see map_rows) input row r lands in row map(r) of
+    out. max_programs caps the grid (programs loop over tiles).
+    """
     m, k = out.shape
-    n_groups = m * (k // BLOCK)
+    rows = m if rows is None else rows
+    n_groups = rows * (k // BLOCK)
     if n_groups == 0:
         return
     if n_groups >= 2**31:
         raise ValueError(f"data has {n_groups} blocks of 32; at most 2**31 - 1 are supported")
     soft = out.device.type == "cpu"
     block_g = _config.INTERPRET_BLOCK_G if soft else _config.DEQUANTIZE_BLOCK_G
-    int64 = max((m - 1) * stride_dm + k + k // BLOCK, m * k) >= 2**31
-    _dequantize_kernel[(triton.cdiv(n_groups, block_g),)](
+    int64 = max((rows - 1) * stride_dm + k + k // BLOCK, m * k) >= 2**31
+    n_tiles = triton.cdiv(n_groups, block_g)
+    _dequantize_kernel[(min(n_tiles, max_programs or n_tiles),)](
         data,
         scales,
         out,
+        segments if segments is not None else data,
+        0 if segments is None else segments.numel() // 2,
         n_groups,
         k // BLOCK,
         stride_dm,
         stride_sm,
-        k,
+        out.stride(0),
         BLOCK_G=block_g,
         SOFT=soft,
         INT64=int64,
+        ROW_MAP=segments is not None,
         num_warps=_config.DEQUANTIZE_NUM_WARPS,
     )
 
@@ -133,8 +158,7 @@ def _launch(
 # ---------------------------------------------------------------------------- custom ops
 
 
-@torch.library.custom_op("mxfp8_a2a::dequantize", mutates_args=())
-def _dequantize_op(data: torch.Tensor, scales: torch.Tensor, out_dtype: str) -> torch.Tensor:
+def _dequantize_impl(data: torch.Tensor, scales: torch.Tensor, out_dtype: str) -> torch.Tensor:
     k = data.shape[-1]
     out = torch.empty(data.shape, dtype=_DTYPES[out_dtype], device=data.device)
     d = data.reshape(-1, k).contiguous().view(torch.uint8)
@@ -143,19 +167,26 @@ def _dequantize_op(data: torch.Tensor, scales: torch.Tensor, out_dtype: str) -> 
     return out
 
 
+_dequantize_op = torch.library.custom_op("mxfp8_a2a::dequantize", _dequantize_impl, mutates_args=())
+
+
 @_dequantize_op.register_fake
 def _(data: torch.Tensor, scales: torch.Tensor, out_dtype: str) -> torch.Tensor:
     return data.new_empty(data.shape, dtype=_DTYPES[out_dtype])
 
 
-@torch.library.custom_op("mxfp8_a2a::dequantize_packed", mutates_args=())
-def _dequantize_packed_op(packed: torch.Tensor, out_dtype: str) -> torch.Tensor:
+def _dequantize_packed_impl(packed: torch.Tensor, out_dtype: str) -> torch.Tensor:
     row = packed.shape[-1]
     k = k_from_packed_row_bytes(row)
     out = torch.empty((*packed.shape[:-1], k), dtype=_DTYPES[out_dtype], device=packed.device)
     p = packed.reshape(-1, row).contiguous()
     _launch(p, p[:, k:], row, row, out.view(-1, k))
     return out
+
+
+_dequantize_packed_op = torch.library.custom_op(
+    "mxfp8_a2a::dequantize_packed", _dequantize_packed_impl, mutates_args=()
+)
 
 
 @_dequantize_packed_op.register_fake
@@ -189,7 +220,8 @@ def dequantize(
     check_out_dtype(out_dtype)
     if resolve_backend(backend, data.device, _dequantize_kernel) == "torch":
         return dequantize_reference(data, scales, out_dtype)
-    return _dequantize_op(data, scales.view(torch.float8_e8m0fnu), _DTYPE_NAMES[out_dtype])
+    op = _dequantize_op if torch.compiler.is_compiling() else _dequantize_impl  # skip dispatch
+    return op(data, scales.view(torch.float8_e8m0fnu), _DTYPE_NAMES[out_dtype])
 
 
 def dequantize_packed(
@@ -208,7 +240,8 @@ def dequantize_packed(
     check_out_dtype(out_dtype)
     if resolve_backend(backend, packed.device, _dequantize_kernel) == "torch":
         return dequantize_reference(*unpack(packed), out_dtype)
-    return _dequantize_packed_op(packed, _DTYPE_NAMES[out_dtype])
+    op = _dequantize_packed_op if torch.compiler.is_compiling() else _dequantize_packed_impl
+    return op(packed, _DTYPE_NAMES[out_dtype])
 
 
 __all__ = ["dequantize", "dequantize_packed", "dequantize_reference"]

@@ -7,6 +7,8 @@ Layers: ``_quantize_kernel`` (Triton) -> ``_launch`` (checks, grid) -> custom op
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -17,6 +19,7 @@ from ._jit_math import (
     e8m0_from_amax_bits,
     e8m0_rceil_hw,
     fp32_to_e4m3_bits,
+    map_rows,
     pow2,
     to_fp32,
 )
@@ -66,7 +69,9 @@ def _quantize_kernel(
     x_ptr,  # bf16/fp32 [M, K], strides (stride_xm, stride_xk)
     data_ptr,  # uint8, element (m, k) at m * stride_dm + k
     scale_ptr,  # uint8, block (m, g) at m * stride_sm + g
-    n_groups,  # M * K // 32
+    seg_ptr,  # int32 segment table (ROW_MAP): output row -> row of x
+    n_seg,
+    n_groups,  # output rows * K // 32
     groups_per_row,  # K // 32
     stride_xm,
     stride_xk,
@@ -77,33 +82,39 @@ def _quantize_kernel(
     SOFT: tl.constexpr,  # software float casts (interpreter)
     HW_E8M0: tl.constexpr,  # sm_100+: hardware e8m0 conversion
     INT64: tl.constexpr,  # offsets may pass 2**31
+    ROW_MAP: tl.constexpr,  # gather input rows through seg_ptr
 ):
-    pid = tl.program_id(0)
-    g = pid * BLOCK_G + tl.arange(0, BLOCK_G)
-    gmask = g < n_groups
-    row = g // groups_per_row
-    cg = g - row * groups_per_row
-    if INT64:
-        row = row.to(tl.int64)
-    col = cg[:, None] * 32 + tl.arange(0, 32)[None, :]
-    x = tl.load(x_ptr + row[:, None] * stride_xm + col * stride_xk, mask=gmask[:, None])
-    x = to_fp32(x, SOFT)
-    amax_bits = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
-    if HW_E8M0 and RCEIL:
-        b = e8m0_rceil_hw(amax_bits.to(tl.float32, bitcast=True))
-        b = tl.where(amax_bits > 0x7F800000, 255, b)
-    else:
-        b = e8m0_from_amax_bits(amax_bits, RCEIL)
-    # x * 2^(127 - b) as two exact power-of-two multiplies, each factor a normal fp32
-    e = 127 - b
-    e_lo = e >> 1
-    y = x * pow2(e_lo)[:, None] * pow2(e - e_lo)[:, None]
-    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-    y = tl.where((b == 255)[:, None], float("nan"), y)
-    tl.store(
-        data_ptr + row[:, None] * stride_dm + col, fp32_to_e4m3_bits(y, SOFT), mask=gmask[:, None]
-    )
-    tl.store(scale_ptr + row * stride_sm + cg, b.to(tl.uint8), mask=gmask)
+    n_tiles = tl.cdiv(n_groups, BLOCK_G)
+    for tile in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
+        g = tile * BLOCK_G + tl.arange(0, BLOCK_G)
+        gmask = g < n_groups
+        row = g // groups_per_row
+        cg = g - row * groups_per_row
+        if ROW_MAP:
+            in_row = map_rows(row, seg_ptr, n_seg)
+        else:
+            in_row = row
+        if INT64:
+            row = row.to(tl.int64)
+            in_row = in_row.to(tl.int64)
+        col = cg[:, None] * 32 + tl.arange(0, 32)[None, :]
+        x = tl.load(x_ptr + in_row[:, None] * stride_xm + col * stride_xk, mask=gmask[:, None])
+        x = to_fp32(x, SOFT)
+        amax_bits = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
+        if HW_E8M0 and RCEIL:
+            b = e8m0_rceil_hw(amax_bits.to(tl.float32, bitcast=True))
+            b = tl.where(amax_bits > 0x7F800000, 255, b)
+        else:
+            b = e8m0_from_amax_bits(amax_bits, RCEIL)
+        # x * 2^(127 - b) as two exact power-of-two multiplies, each factor a normal fp32
+        e = 127 - b
+        e_lo = e >> 1
+        y = x * pow2(e_lo)[:, None] * pow2(e - e_lo)[:, None]
+        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+        y = tl.where((b == 255)[:, None], float("nan"), y)
+        q = fp32_to_e4m3_bits(y, SOFT)
+        tl.store(data_ptr + row[:, None] * stride_dm + col, q, mask=gmask[:, None])
+        tl.store(scale_ptr + row * stride_sm + cg, b.to(tl.uint8), mask=gmask)
 
 
 def _needs_int64(*extents: int) -> bool:
@@ -117,25 +128,35 @@ def _launch(
     stride_dm: int,
     stride_sm: int,
     scaling_mode: str,
+    rows: int | None = None,
+    segments: torch.Tensor | None = None,
+    max_programs: int | None = None,
 ) -> None:
-    """Run the quantize kernel on x2d [M, K]; data/scales are uint8 views of the outputs."""
+    """Quantize rows of x2d [M, K] into data/scales (uint8 views of the outputs).
+
+    rows: output rows (default M); with ``segments`` (int32 [2 * n_seg], see map_rows) output
+    row r reads row map(r) of x2d. max_programs caps the grid (programs loop over tiles),
+    leaving SMs free for communication kernels.
+    """
     m, k = x2d.shape
-    n_groups = m * (k // BLOCK)
+    rows = m if rows is None else rows
+    n_groups = rows * (k // BLOCK)
     if n_groups == 0:
         return
     if n_groups >= 2**31:
         raise ValueError(f"x has {n_groups} blocks of 32; at most 2**31 - 1 are supported")
     soft = x2d.device.type == "cpu"
-    hw_e8m0 = not soft and torch.cuda.get_device_capability(x2d.device)[0] >= 10
     block_g = _config.INTERPRET_BLOCK_G if soft else _config.QUANTIZE_BLOCK_G
-    int64 = _needs_int64(
-        (m - 1) * x2d.stride(0) + (k - 1) * x2d.stride(1) + 1, (m - 1) * stride_dm + k + k // 32
-    )
-    grid = (triton.cdiv(n_groups, block_g),)
+    in_extent = (m - 1) * x2d.stride(0) + (k - 1) * x2d.stride(1) + 1
+    int64 = _needs_int64(in_extent, (rows - 1) * stride_dm + k + k // 32)
+    n_tiles = triton.cdiv(n_groups, block_g)
+    grid = (min(n_tiles, max_programs or n_tiles),)
     _quantize_kernel[grid](
         x2d,
         data,
         scales,
+        segments if segments is not None else data,
+        0 if segments is None else segments.numel() // 2,
         n_groups,
         k // BLOCK,
         x2d.stride(0),
@@ -145,23 +166,31 @@ def _launch(
         RCEIL=scaling_mode == "rceil",
         BLOCK_G=block_g,
         SOFT=soft,
-        HW_E8M0=hw_e8m0,
+        HW_E8M0=not soft and _capability(x2d.device) >= 10,
         INT64=int64,
+        ROW_MAP=segments is not None,
         num_warps=_config.QUANTIZE_NUM_WARPS,
     )
+
+
+@functools.cache
+def _capability(device: torch.device) -> int:
+    return torch.cuda.get_device_capability(device)[0]
 
 
 # ---------------------------------------------------------------------------- custom ops
 
 
-@torch.library.custom_op("mxfp8_a2a::quantize", mutates_args=())
-def _quantize_op(x: torch.Tensor, scaling_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_impl(x: torch.Tensor, scaling_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
     k = x.shape[-1]
     x2d = x.reshape(-1, k)
     data = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.empty((*x.shape[:-1], k // BLOCK), dtype=torch.float8_e8m0fnu, device=x.device)
     _launch(x2d, data.view(torch.uint8), scales.view(torch.uint8), k, k // BLOCK, scaling_mode)
     return data, scales
+
+
+_quantize_op = torch.library.custom_op("mxfp8_a2a::quantize", _quantize_impl, mutates_args=())
 
 
 @_quantize_op.register_fake
@@ -171,13 +200,17 @@ def _(x: torch.Tensor, scaling_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
     return data, x.new_empty((*x.shape[:-1], k // BLOCK), dtype=torch.float8_e8m0fnu)
 
 
-@torch.library.custom_op("mxfp8_a2a::quantize_packed", mutates_args=())
-def _quantize_packed_op(x: torch.Tensor, scaling_mode: str) -> torch.Tensor:
+def _quantize_packed_impl(x: torch.Tensor, scaling_mode: str) -> torch.Tensor:
     k = x.shape[-1]
     row = packed_row_bytes(k)
     out = torch.empty((*x.shape[:-1], row), dtype=torch.uint8, device=x.device)
     _launch(x.reshape(-1, k), out, out[..., k:], row, row, scaling_mode)
     return out
+
+
+_quantize_packed_op = torch.library.custom_op(
+    "mxfp8_a2a::quantize_packed", _quantize_packed_impl, mutates_args=()
+)
 
 
 @_quantize_packed_op.register_fake
@@ -208,7 +241,8 @@ def quantize(
     check_scaling_mode(scaling_mode)
     if resolve_backend(backend, x.device, _quantize_kernel) == "torch":
         return quantize_reference(x, scaling_mode)
-    return _quantize_op(x, scaling_mode)
+    op = _quantize_op if torch.compiler.is_compiling() else _quantize_impl  # skip dispatch
+    return op(x, scaling_mode)
 
 
 def quantize_packed(
@@ -224,7 +258,8 @@ def quantize_packed(
     check_scaling_mode(scaling_mode)
     if resolve_backend(backend, x.device, _quantize_kernel) == "torch":
         return pack(*quantize_reference(x, scaling_mode))
-    return _quantize_packed_op(x, scaling_mode)
+    op = _quantize_packed_op if torch.compiler.is_compiling() else _quantize_packed_impl
+    return op(x, scaling_mode)
 
 
 __all__ = ["quantize", "quantize_packed", "quantize_reference"]

@@ -68,17 +68,21 @@ def exact_forward_backward(rank, world, backend, seed, k, dtype, mode):
     def make_w(dst):  # the upstream gradient on rank dst
         return rank_input(dst, sum(s[i][dst] for i in range(world)), k, dtype, seed + 7, dev)
 
-    x = make_x(rank).requires_grad_(True)
-    x_before = x.detach().clone()
-    out = mx.to_mxfp8_a2a_dequant(
-        x, torch.tensor(out_splits), in_splits, scaling_mode=mode, validate=True
-    )
-    assert out.dtype == dtype and out.shape == (sum(out_splits), k)
-    assert torch.equal(out.detach().cpu(), expected_rows(rank, s, make_x, mode))
-    out.backward(make_w(rank))
     t = [[s[d][r] for d in range(world)] for r in range(world)]  # splits swapped
-    assert torch.equal(x.grad.cpu(), expected_rows(rank, t, make_w, mode))
-    assert torch.equal(x.detach(), x_before)  # input untouched
+    want_out = expected_rows(rank, s, make_x, mode)
+    want_grad = expected_rows(rank, t, make_w, mode)
+    # one collective; automatic chunking; chunk boundaries inside each pair's rows
+    for chunks in (1, None, 3, 50):
+        x = make_x(rank).requires_grad_(True)
+        x_before = x.detach().clone()
+        out = mx.to_mxfp8_a2a_dequant(
+            x, torch.tensor(out_splits), in_splits, scaling_mode=mode, chunks=chunks, validate=True
+        )
+        assert out.dtype == dtype and out.shape == (sum(out_splits), k)
+        assert torch.equal(out.detach().cpu(), want_out), chunks
+        out.backward(make_w(rank))
+        assert torch.equal(x.grad.cpu(), want_grad), chunks
+        assert torch.equal(x.detach(), x_before)  # input untouched
 
 
 def routing(rank, world, backend, seed):
@@ -99,7 +103,12 @@ def routing(rank, world, backend, seed):
         return torch.stack(rows) if rows else torch.zeros(0, k)
 
     x = encode(rank).to(torch.bfloat16).to(dev)
-    out = mx.to_mxfp8_a2a_dequant(x, [s[i][rank] for i in range(world)], s[rank]).float().cpu()
+    for chunks in (1, 4):
+        out = mx.to_mxfp8_a2a_dequant(x, [s[i][rank] for i in range(world)], s[rank], chunks=chunks)
+        check_routing(out.float().cpu(), s, rank, world)
+
+
+def check_routing(out, s, rank, world):
     row = 0
     for src in range(world):
         for i in range(s[src][rank]):
@@ -132,10 +141,15 @@ def sqnr_vs_bf16(rank, world, backend, seed):
 
 
 def edge_cases(rank, world, backend):
+    for chunks in (1, None, 2):
+        _edge_cases(rank, world, backend, chunks)
+
+
+def _edge_cases(rank, world, backend, chunks):
     dev = device_for(backend)
     # no rows anywhere
     x = torch.zeros(0, 32, device=dev, requires_grad=True)
-    out = mx.to_mxfp8_a2a_dequant(x, [0] * world, [0] * world)
+    out = mx.to_mxfp8_a2a_dequant(x, [0] * world, [0] * world, chunks=chunks)
     assert out.shape == (0, 32)
     out.sum().backward()
     assert x.grad.shape == (0, 32)
@@ -147,13 +161,13 @@ def edge_cases(rank, world, backend):
         in_splits[world - 1] = 1
     if rank == world - 1:
         out_splits[0] = 1
-    out = mx.to_mxfp8_a2a_dequant(x, out_splits, in_splits)
+    out = mx.to_mxfp8_a2a_dequant(x, out_splits, in_splits, chunks=chunks)
     assert out.shape[0] == (1 if rank == world - 1 else 0)
     # NaN and inf survive in their block
     x = torch.ones(world, 64, device=dev)
     x[:, 1] = float("nan")
     x[:, 40] = float("inf")
-    out = mx.to_mxfp8_a2a_dequant(x, [1] * world, [1] * world)
+    out = mx.to_mxfp8_a2a_dequant(x, [1] * world, [1] * world, chunks=chunks)
     assert out[:, :32].isnan().all() and out[:, 40].isinf().all()
 
 
@@ -176,6 +190,7 @@ def bad_input(rank, world, backend):
         (lambda: mx.to_mxfp8_a2a_dequant(x.view(world, 2, 32), ones, ones), "2-D"),
         (lambda: mx.to_mxfp8_a2a_dequant(x, ones, ones, scaling_mode="up"), "scaling_mode"),
         (lambda: mx.to_mxfp8_a2a_dequant(x, [1.5] * world, ones), "integers"),
+        (lambda: mx.to_mxfp8_a2a_dequant(x, ones, ones, chunks=0), "chunks"),
     ]
     if dev.type == "cuda":
         cases.append(

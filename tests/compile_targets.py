@@ -17,10 +17,10 @@ from mxfp8_a2a.quantize import _quantize_kernel  # noqa: E402
 
 I32 = "i32"
 QUANT_SIG = dict.fromkeys(
-    ["n_groups", "groups_per_row", "stride_xm", "stride_xk", "stride_dm", "stride_sm"], I32
+    ["n_seg", "n_groups", "groups_per_row", "stride_xm", "stride_xk", "stride_dm", "stride_sm"], I32
 )
 DEQUANT_SIG = dict.fromkeys(
-    ["n_groups", "groups_per_row", "stride_dm", "stride_sm", "stride_om"], I32
+    ["n_seg", "n_groups", "groups_per_row", "stride_dm", "stride_sm", "stride_om"], I32
 )
 
 
@@ -33,9 +33,20 @@ def build(kernel, sig, constexprs, cap):
 for cap in (90, 100):
     for dtype in ("bf16", "fp32"):
         for mode in ("rceil", "floor"):
-            sig = {"x_ptr": f"*{dtype}", "data_ptr": "*u8", "scale_ptr": "*u8", **QUANT_SIG}
+            sig = {
+                "x_ptr": f"*{dtype}",
+                "data_ptr": "*u8",
+                "scale_ptr": "*u8",
+                "seg_ptr": "*i32",
+                **QUANT_SIG,
+            }
             flags = {"RCEIL": mode == "rceil", "BLOCK_G": 64, "SOFT": False}
-            ptx = build(_quantize_kernel, sig, {**flags, "HW_E8M0": cap >= 100, "INT64": True}, cap)
+            ptx = build(
+                _quantize_kernel,
+                sig,
+                {**flags, "HW_E8M0": cap >= 100, "INT64": True, "ROW_MAP": mode == "rceil"},
+                cap,
+            )
             print(
                 json.dumps(
                     {
@@ -47,8 +58,19 @@ for cap in (90, 100):
                     }
                 )
             )
-        sig = {"data_ptr": "*u8", "scale_ptr": "*u8", "out_ptr": f"*{dtype}", **DEQUANT_SIG}
-        ptx = build(_dequantize_kernel, sig, {"BLOCK_G": 64, "SOFT": False, "INT64": False}, cap)
+        sig = {
+            "data_ptr": "*u8",
+            "scale_ptr": "*u8",
+            "out_ptr": f"*{dtype}",
+            "seg_ptr": "*i32",
+            **DEQUANT_SIG,
+        }
+        ptx = build(
+            _dequantize_kernel,
+            sig,
+            {"BLOCK_G": 64, "SOFT": False, "INT64": False, "ROW_MAP": dtype == "bf16"},
+            cap,
+        )
         print(
             json.dumps(
                 {
