@@ -8,6 +8,7 @@ import pytest
 import torch
 from a2a_workers import (
     bad_input,
+    compiled,
     edge_cases,
     exact_forward_backward,
     memory_flat,
@@ -73,3 +74,8 @@ def test_bad_input_raises_on_every_rank(backend):
 def test_memory_flat_over_10000_calls():
     growth = run_distributed(memory_flat, 2, "gloo", 10_000)
     assert max(growth) < 20 * 1024, f"max RSS grew by {growth} KiB over 10000 calls"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_torch_compile_fullgraph(backend):
+    run_distributed(compiled, 2, backend, backend=backend)
