@@ -1,0 +1,87 @@
+"""Worker bodies for the MoE tests: the expert-parallel layer against a single-process
+reference that holds every expert, on data every rank can rebuild from the seed."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from a2a_workers import device_for
+
+from mxfp8_a2a.moe import ExpertParallelMoE, init_moe_weights, moe_reference
+
+HIDDEN, FFN, TOKENS = 64, 32, 12
+
+
+def _inputs(src: int, seed: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed * 100 + src)
+    return torch.randn(TOKENS, HIDDEN, generator=g).to(dev), torch.randn(
+        TOKENS, HIDDEN, generator=g
+    ).to(dev)
+
+
+def _bias_router(router: torch.Tensor, routing: str) -> None:
+    if routing == "one_expert":  # every token's first choice is expert 0
+        router[:, 0] += 50.0
+    elif routing == "empty_experts":  # the last two experts never win
+        router[:, -2:] -= 50.0
+
+
+def _layer(world, rank_dev, seed, top_k, exchange, routing, experts):
+    layer = ExpertParallelMoE(HIDDEN, FFN, experts, top_k, exchange=exchange, seed=seed).to(
+        rank_dev
+    )
+    with torch.no_grad():
+        _bias_router(layer.router, routing)
+    return layer
+
+
+def matches_reference(rank, world, backend, seed, top_k, routing):
+    """Plain ("bf16") exchange: forward and every gradient match the reference."""
+    dev = device_for(backend)
+    experts = 2 * world
+    layer = _layer(world, dev, seed, top_k, "bf16", routing, experts)
+    x, g = _inputs(rank, seed, dev)
+    x.requires_grad_(True)
+    out = layer(x)
+    (out * g).sum().backward()
+    router_grad = layer.router.grad.clone()
+    dist.all_reduce(router_grad)  # the router is replicated: its gradient is the sum over ranks
+
+    ref_w = {
+        k: v.to(dev).requires_grad_(True)
+        for k, v in init_moe_weights(HIDDEN, FFN, experts, seed).items()
+    }
+    with torch.no_grad():
+        _bias_router(ref_w["router"], routing)
+    xs, gs = zip(*(_inputs(r, seed, dev) for r in range(world)), strict=True)
+    x_all = torch.cat(xs).requires_grad_(True)
+    ref = moe_reference(x_all, ref_w, top_k)
+    (ref * torch.cat(gs)).sum().backward()
+    rows = slice(rank * TOKENS, (rank + 1) * TOKENS)
+    local = slice(rank * experts // world, (rank + 1) * experts // world)
+    tol = dict(rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out, ref[rows], **tol)
+    torch.testing.assert_close(x.grad, x_all.grad[rows], **tol)
+    torch.testing.assert_close(router_grad, ref_w["router"].grad, **tol)
+    torch.testing.assert_close(layer.w1.grad, ref_w["w1"].grad[local], **tol)
+    torch.testing.assert_close(layer.w2.grad, ref_w["w2"].grad[local], **tol)
+
+
+def mxfp8_vs_bf16(rank, world, backend, seed, top_k, routing):
+    """SQNR of the MXFP8-exchange layer against the plain-exchange layer: output, grad x."""
+    dev = device_for(backend)
+    results = []
+    for exchange in ("bf16", "mxfp8"):
+        layer = _layer(world, dev, seed, top_k, exchange, routing, 2 * world)
+        x, g = _inputs(rank, seed, dev)
+        x = x.to(torch.bfloat16).requires_grad_(True)
+        layer = layer.to(torch.bfloat16)
+        out = layer(x)
+        (out.float() * g).sum().backward()
+        results.append((out.detach().double(), x.grad.double()))
+    (ref_out, ref_grad), (out, grad) = results
+
+    def sqnr(a, b):
+        return (10 * torch.log10(a.pow(2).sum() / (a - b).pow(2).sum())).item()
+
+    return sqnr(ref_out, out), sqnr(ref_grad, grad)
