@@ -4,6 +4,7 @@ Public API:
     to_mxfp8_a2a_dequant             -- differentiable all-to-all that sends rows as MXFP8
     compute_output_splits            -- output_splits from input_splits (one small exchange)
     dispatch, combine, ExpertParallelMoE -- expert-parallel MoE on the exchange
+    per_group_colwise_scales, per_group_rowwise_scales -- FP8 scaling of jagged tensors
     quantize, dequantize             -- MXFP8 casts (e4m3 + one e8m0 scale per 32 values)
     quantize_packed, dequantize_packed, pack, unpack, packed_row_bytes -- the wire layout
     quantize_reference, dequantize_reference -- plain-torch definitions of the casts
@@ -13,6 +14,7 @@ from .a2a import compute_output_splits, to_mxfp8_a2a_dequant
 from .dequantize import dequantize, dequantize_packed, dequantize_reference
 from .moe import ExpertParallelMoE, combine, dispatch
 from .packing import pack, packed_row_bytes, unpack
+from .per_group_scales import per_group_colwise_scales, per_group_rowwise_scales
 from .quantize import quantize, quantize_packed, quantize_reference
 
 __all__ = [
@@ -25,6 +27,8 @@ __all__ = [
     "dequantize_packed",
     "dequantize_reference",
     "pack",
+    "per_group_colwise_scales",
+    "per_group_rowwise_scales",
     "packed_row_bytes",
     "quantize",
     "quantize_packed",

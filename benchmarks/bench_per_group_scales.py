@@ -1,0 +1,87 @@
+"""Per-group FP8 scaling of jagged tensors: torch loop vs Triton direct vs Triton transpose.
+
+    python benchmarks/bench_per_group_scales.py [--json out.json]
+
+x (16640, 8192) bf16; per_group_rowwise_scales with groups along dim 1 (random jagged end
+offsets, multiples of 16), and per_group_colwise_scales with groups along dim 0. GB/s count
+bytes read + written by each method (the transpose's copy included); "effective" counts
+the fewest bytes (x read once, data and scales written once). Needs a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+from common import do_bench_ms, versions, write_json
+from tabulate import tabulate
+
+from mxfp8_a2a import per_group_colwise_scales, per_group_rowwise_scales
+from mxfp8_a2a.per_group_scales import per_group_colwise_reference, per_group_rowwise_reference
+
+N, M = 16640, 8192
+
+
+def jagged_offsets(total: int, n_groups: int, g: torch.Generator) -> torch.Tensor:
+    cuts = torch.randperm(total // 16 - 1, generator=g)[: n_groups - 1].add(1).mul(16).sort().values
+    return torch.cat([cuts, torch.tensor([total])]).to(torch.int32).cuda()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--json")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_per_group_scales.py needs a CUDA GPU")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(N, M, dtype=torch.bfloat16).cuda()
+    elems = N * M
+    rows = []
+    for n_groups in (1, 16, 64):
+        # rowwise: groups along dim 1 (M)
+        offs = jagged_offsets(M, n_groups, g)
+        minimal = 3 * elems + 4 * n_groups * N
+        t_loop = do_bench_ms(lambda offs=offs: per_group_rowwise_reference(x, offs), rep_ms=200)
+        t_direct = do_bench_ms(lambda offs=offs: per_group_rowwise_scales(x, offs, method="direct"))
+        t_tr = do_bench_ms(lambda offs=offs: per_group_rowwise_scales(x, offs, method="transpose"))
+        t_auto = do_bench_ms(lambda offs=offs: per_group_rowwise_scales(x, offs))
+        # colwise: groups along dim 0 (N)
+        offs0 = jagged_offsets(N, n_groups, g)
+        t_col_loop = do_bench_ms(
+            lambda offs0=offs0: per_group_colwise_reference(x, offs0), rep_ms=200
+        )
+        t_col = do_bench_ms(lambda offs0=offs0: per_group_colwise_scales(x, offs0))
+        rows.append(
+            {
+                "n_groups": n_groups,
+                "torch loop us": t_loop * 1e3,
+                "direct us": t_direct * 1e3,
+                "transpose us": t_tr * 1e3,
+                "auto us": t_auto * 1e3,
+                "loop GB/s": minimal / t_loop / 1e6,
+                "direct GB/s": (5 * elems) / t_direct / 1e6,
+                "transpose GB/s": (9 * elems) / t_tr / 1e6,
+                "auto effective GB/s": minimal / t_auto / 1e6,
+                "direct speedup": t_loop / t_direct,
+                "transpose speedup": t_loop / t_tr,
+                "colwise loop us": t_col_loop * 1e3,
+                "colwise us": t_col * 1e3,
+                "colwise effective GB/s": minimal / t_col / 1e6,
+                "colwise speedup": t_col_loop / t_col,
+            }
+        )
+    info = versions()
+    print(" ".join(f"{k}={v}" for k, v in info.items()), f"shape={N}x{M} bf16")
+    print(tabulate(rows, headers="keys", floatfmt=".2f"))
+    print(
+        "direct GB/s counts 2 reads of x + 1 write (its second pass); transpose 9 bytes/elem "
+        "(copy read+write, 2 reads, 1 write); effective counts 3 bytes/elem."
+    )
+    write_json(args.json, {"versions": info, "shape": [N, M], "results": rows})
+
+
+if __name__ == "__main__":
+    main()

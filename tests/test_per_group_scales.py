@@ -1,0 +1,90 @@
+"""Per-group FP8 scaling kernels against the looping torch reference, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import KERNEL_DEVICES, bits, fresh_generator
+
+from mxfp8_a2a import per_group_colwise_scales, per_group_rowwise_scales
+from mxfp8_a2a.per_group_scales import per_group_colwise_reference, per_group_rowwise_reference
+
+
+def _offsets(total: int, n_groups: int, g: torch.Generator, kind: str) -> torch.Tensor:
+    if kind == "one_holds_all":
+        ends = [0] * (n_groups - 1) + [total]
+    elif kind == "with_empty":
+        cuts = sorted(torch.randint(0, total + 1, (n_groups - 1,), generator=g).tolist())
+        cuts[: len(cuts) // 3] = [cuts[0]] * (len(cuts) // 3)  # several empty groups
+        ends = cuts + [total]
+    else:  # uneven
+        ends = sorted(torch.randint(0, total + 1, (n_groups - 1,), generator=g).tolist()) + [total]
+    return torch.tensor(ends, dtype=torch.int32)
+
+
+def _data(shape, dtype, device, g):
+    x = torch.randn(shape, generator=g) * torch.exp2(
+        torch.randint(-20, 20, (shape[0], 1), generator=g).float()
+    )
+    x[0, 0] = float("nan")
+    x[1 % shape[0], 2] = float("inf")
+    x[2 % shape[0], :] = 0.0
+    x[3 % shape[0], 5:9] = 1e-13
+    return x.to(dtype).to(device)
+
+
+def _same(a, b):
+    (da, sa), (db, sb) = a, b
+    assert torch.equal(bits(da.contiguous()), bits(db.contiguous()))
+    torch.testing.assert_close(sa, sb, rtol=0, atol=0, equal_nan=True)  # NaN's sign is free
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize(
+    "n_groups, kind", [(1, "uneven"), (16, "uneven"), (64, "with_empty"), (5, "one_holds_all")]
+)
+def test_colwise_and_rowwise_match_reference(device, dtype, pow2, n_groups, kind):
+    g = fresh_generator()
+    m, k = 203, 96  # rows not a multiple of any block size
+    x = _data((m, k), dtype, device, g)
+    offs = _offsets(m, n_groups, g, kind).to(device)
+    _same(
+        per_group_colwise_scales(x, offs, round_scales_to_power_of_2=pow2, backend="triton"),
+        per_group_colwise_reference(x, offs, pow2),
+    )
+    xt = x.t().contiguous()  # (N=96, M=203), groups along dim 1
+    want = per_group_rowwise_reference(xt, offs, pow2)
+    for method in ("direct", "transpose", "auto"):
+        got = per_group_rowwise_scales(
+            xt, offs, round_scales_to_power_of_2=pow2, backend="triton", method=method
+        )
+        assert got[0].shape == xt.shape and got[1].shape == (n_groups, 96)
+        _same(got, want)
+
+
+def test_reference_formula():
+    x = torch.tensor([[1.0, -3.0], [2.0, 0.5], [100.0, 0.0]])
+    data, scales = per_group_colwise_reference(x, torch.tensor([2, 2, 3], dtype=torch.int32))
+    s = torch.tensor([[448 / 2, 448 / 3], [448 / 1e-12, 448 / 1e-12], [448 / 100, 448 / 1e-12]])
+    torch.testing.assert_close(scales, s.float(), rtol=0, atol=0)
+    assert data.float()[0, 0] == 224.0 and data.float()[0, 1] == -448.0
+    _, s2 = per_group_colwise_reference(x, torch.tensor([3], dtype=torch.int32), True)
+    assert s2.tolist() == [[4.0, 128.0]]  # 448/100 -> 4, 448/3 -> 128
+
+
+@pytest.mark.parametrize(
+    "offs, match",
+    [
+        (torch.tensor([5, 3, 10], dtype=torch.int32), "non-decreasing"),
+        (torch.tensor([3, 9], dtype=torch.int32), "offs\\[-1\\] must equal"),
+        (torch.tensor([3, 10], dtype=torch.int64), "int32"),
+    ],
+)
+def test_bad_offsets(offs, match):
+    x = torch.randn(10, 32)
+    with pytest.raises((ValueError, TypeError), match=match):
+        per_group_colwise_scales(x, offs)
+    with pytest.raises((ValueError, TypeError), match=match):
+        per_group_rowwise_scales(x.t(), offs)
