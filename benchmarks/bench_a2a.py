@@ -32,6 +32,7 @@ from common import Progress, median, parse_shape, versions, write_json
 from tabulate import tabulate
 
 import mxfp8_a2a as mx
+from mxfp8_a2a._launch import init_from_torchrun
 from mxfp8_a2a.dequantize import dequantize_packed
 from mxfp8_a2a.quantize import quantize_packed
 
@@ -226,15 +227,8 @@ def main(argv: list[str] | None = None) -> None:
         except ImportError:
             p.error("--plot needs matplotlib: pip install matplotlib (or 'mxfp8_a2a[plot]')")
 
-    cuda = torch.cuda.is_available()
-    if cuda:
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
+    device = init_from_torchrun()
+    cuda = device.type == "cuda"
     rank, world = dist.get_rank(), dist.get_world_size()
     shapes = args.shape or (GPU_SHAPES if cuda else CPU_SHAPES)
     timer = Timer(device, args.iters, args.warmup)

@@ -14,6 +14,15 @@ E4M3_MAX = tl.constexpr(448.0)  # largest finite e4m3fn value
 
 
 @triton.jit
+def block_tile(tile, BLOCK_G: tl.constexpr, n_groups, groups_per_row):
+    """The blocks of 32 that program ``tile`` handles: (mask, row, block within the row),
+    each [BLOCK_G]; blocks are numbered row-major over rows of ``groups_per_row`` blocks."""
+    g = tile * BLOCK_G + tl.arange(0, BLOCK_G)
+    row = g // groups_per_row
+    return g < n_groups, row, g - row * groups_per_row
+
+
+@triton.jit
 def map_rows(row, seg_ptr, n_seg):
     """Map chunk-local rows to rows of the full tensor through a segment table.
 

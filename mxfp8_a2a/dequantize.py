@@ -13,7 +13,7 @@ import triton.language as tl
 
 from . import _config
 from ._common import BLOCK, check_out_dtype, resolve_backend
-from ._jit_math import e4m3_bits_to_fp32, fp32_to_bf16, map_rows, pow2
+from ._jit_math import block_tile, e4m3_bits_to_fp32, fp32_to_bf16, map_rows, pow2
 from .packing import k_from_packed_row_bytes, unpack
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -84,10 +84,7 @@ def _dequantize_kernel(
 ):
     n_tiles = tl.cdiv(n_groups, BLOCK_G)
     for tile in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
-        g = tile * BLOCK_G + tl.arange(0, BLOCK_G)
-        gmask = g < n_groups
-        row = g // groups_per_row
-        cg = g - row * groups_per_row
+        gmask, row, cg = block_tile(tile, BLOCK_G, n_groups, groups_per_row)
         if ROW_MAP:
             out_row = map_rows(row, seg_ptr, n_seg)
         else:

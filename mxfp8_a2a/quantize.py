@@ -16,6 +16,7 @@ import triton.language as tl
 from . import _config
 from ._common import BLOCK, E4M3_MAX, check_float_input, check_scaling_mode, resolve_backend
 from ._jit_math import (
+    block_tile,
     e8m0_from_amax_bits,
     e8m0_rceil_hw,
     fp32_to_e4m3_bits,
@@ -86,10 +87,7 @@ def _quantize_kernel(
 ):
     n_tiles = tl.cdiv(n_groups, BLOCK_G)
     for tile in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
-        g = tile * BLOCK_G + tl.arange(0, BLOCK_G)
-        gmask = g < n_groups
-        row = g // groups_per_row
-        cg = g - row * groups_per_row
+        gmask, row, cg = block_tile(tile, BLOCK_G, n_groups, groups_per_row)
         if ROW_MAP:
             in_row = map_rows(row, seg_ptr, n_seg)
         else:

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 
 import torch
 import torch.distributed as dist
 
 from mxfp8_a2a import ExpertParallelMoE
+from mxfp8_a2a._launch import init_from_torchrun
 
 
 class TinyMoE(torch.nn.Module):
@@ -76,14 +76,7 @@ def main() -> None:
     p.add_argument("--json", help="write the loss curve here (rank 0)")
     args = p.parse_args()
 
-    if torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
+    device = init_from_torchrun()
     rank, world = dist.get_rank(), dist.get_world_size()
     model = TinyMoE(args).to(device)
     replicated = [model.head] + [layer.router for layer in model.layers]

@@ -11,9 +11,20 @@ import socket
 import traceback
 from collections.abc import Callable
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+# gloo on CPU everywhere; NCCL where there are at least 2 GPUs
+BACKENDS = [
+    pytest.param("gloo", id="gloo"),
+    pytest.param(
+        "nccl",
+        id="nccl",
+        marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
+    ),
+]
 
 
 def _free_port() -> int:

@@ -15,17 +15,9 @@ from a2a_workers import (
     routing,
     sqnr_vs_bf16,
 )
-from dist_utils import run_distributed
+from dist_utils import BACKENDS, run_distributed
 
 GLOO_WORLDS = [2, 3, 4]
-BACKENDS = [
-    pytest.param("gloo", id="gloo"),
-    pytest.param(
-        "nccl",
-        id="nccl",
-        marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
-    ),
-]
 
 
 def _worlds(backend: str) -> list[int]:

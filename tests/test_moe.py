@@ -6,17 +6,9 @@ import random
 
 import pytest
 import torch
-from dist_utils import run_distributed
+from dist_utils import BACKENDS, run_distributed
 from moe_workers import matches_reference, mxfp8_vs_bf16
 
-BACKENDS = [
-    pytest.param("gloo", id="gloo"),
-    pytest.param(
-        "nccl",
-        id="nccl",
-        marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
-    ),
-]
 CASES = [(1, "normal"), (2, "normal"), (2, "one_expert"), (1, "empty_experts")]
 
 
