@@ -21,3 +21,14 @@ PIPELINE_CHUNK_BYTES = 64 << 20
 PIPELINE_MAX_CHUNKS = 8
 PIPELINE_RESERVED_SMS = 16
 PIPELINE_PROGRAMS_PER_SM = 8
+
+# Per-group FP8 scaling (mxfp8_a2a/per_group_scales.py). First values, measured once on
+# H200 (BENCHMARKS.md, about 1.1 TB/s effective at (16640, 8192)); scripts/tune_per_group.py
+# sweeps them. The interpreter uses small tiles.
+ROWWISE_BLOCK_N = 8
+ROWWISE_BLOCK_C = 512
+ROWWISE_NUM_WARPS = 4
+COLWISE_BLOCK_M = 64
+COLWISE_BLOCK_K = 128
+INTERPRET_ROWWISE = (8, 32)
+INTERPRET_COLWISE = (16, 32)

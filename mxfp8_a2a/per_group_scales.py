@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import _config
 from ._common import interpreted
 from ._jit_math import fp32_to_e4m3_bits, to_fp32
 
@@ -207,7 +208,9 @@ def _colwise_triton(
     soft = x.device.type == "cpu"
     amax = torch.zeros((g, k), dtype=torch.int32, device=x.device)
     data = torch.empty((m, k), dtype=torch.uint8, device=x.device)
-    bm, bk = (16, 32) if soft else (64, 128)
+    bm, bk = (
+        _config.INTERPRET_COLWISE if soft else (_config.COLWISE_BLOCK_M, _config.COLWISE_BLOCK_K)
+    )
     grid = (triton.cdiv(m, bm), triton.cdiv(k, bk))
     common = dict(SOFT=soft, BLOCK_M=bm, BLOCK_K=bk, BLOCK_GROUPS=triton.next_power_of_2(max(g, 1)))
     if m and k and g:
@@ -228,11 +231,13 @@ def _rowwise_direct_triton(
     soft = x.device.type == "cpu"
     scales = torch.empty((g, n), dtype=torch.float32, device=x.device)
     data = torch.empty((n, m), dtype=torch.uint8, device=x.device)
-    bn, bc = (8, 32) if soft else (8, 512)
+    bn, bc = (
+        _config.INTERPRET_ROWWISE if soft else (_config.ROWWISE_BLOCK_N, _config.ROWWISE_BLOCK_C)
+    )
     if n and g:
         _rowwise_kernel[(triton.cdiv(n, bn), g)](
             x, offs, scales, data, n, m, x.stride(0), x.stride(1),
-            ROUND_POW2=pow2, SOFT=soft, BLOCK_N=bn, BLOCK_C=bc, num_warps=4,
+            ROUND_POW2=pow2, SOFT=soft, BLOCK_N=bn, BLOCK_C=bc, num_warps=_config.ROWWISE_NUM_WARPS,
         )  # fmt: skip
     return data.view(torch.float8_e4m3fn), scales
 

@@ -1,0 +1,68 @@
+"""Profile one exchange configuration: where the host and GPU time of a call goes.
+
+    torchrun --nproc-per-node=2 scripts/profile_exchange.py --shape 131072x5120 --chunks 4 --out DIR
+
+Runs warm-up calls, then profiles a few forward+backward calls with torch.profiler (CPU and
+CUDA activities), prints the top operators by self CPU time and by CUDA time on rank 0,
+and writes a Chrome trace per rank (DIR/trace_rank{r}.json). Built to find the fixed cost
+per pipeline step that BENCHMARKS.md reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+
+import mxfp8_a2a as mx
+from mxfp8_a2a._launch import init_from_torchrun
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--shape", default="8192x5120", help="TOKENSxDIM per rank")
+    p.add_argument("--chunks", default="1", help="an int, or 'auto'")
+    p.add_argument("--calls", type=int, default=5)
+    p.add_argument("--out", default="profile_out")
+    args = p.parse_args()
+    device = init_from_torchrun()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tokens, dim = (int(v) for v in args.shape.lower().split("x"))
+    chunks = None if args.chunks == "auto" else int(args.chunks)
+    splits = [tokens // world] * world
+    splits[rank] += tokens - sum(splits)
+    out_splits = mx.compute_output_splits(splits)
+    x = torch.randn(tokens, dim, device=device, dtype=torch.bfloat16)
+    grad = torch.randn(sum(out_splits), dim, device=device, dtype=torch.bfloat16)
+
+    def call():
+        y = mx.to_mxfp8_a2a_dequant(
+            x.detach().requires_grad_(True), out_splits, splits, chunks=chunks
+        )
+        y.backward(grad)
+
+    for _ in range(5):
+        call()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    dist.barrier()
+    with profile(activities=activities) as prof:
+        for _ in range(args.calls):
+            call()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    os.makedirs(args.out, exist_ok=True)
+    prof.export_chrome_trace(os.path.join(args.out, f"trace_rank{rank}.json"))
+    if rank == 0:
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+        if device.type == "cuda":
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
