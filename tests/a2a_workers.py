@@ -24,14 +24,16 @@ def device_for(backend: str) -> torch.device:
 
 
 def split_matrix(
-    world: int, seed: int, max_rows: int = 9, zero_rank: bool = True
+    world: int, seed: int, max_rows: int = 9, zero_rank: bool = True, zeros: bool = True
 ) -> list[list[int]]:
-    """S[src][dst] rows src sends to dst; uneven, with zeros (rank world-1 sends nothing)."""
+    """S[src][dst] rows src sends to dst, uneven. With ``zeros`` some pairs send nothing and,
+    with ``zero_rank``, rank world-1 sends nothing at all; without, every pair sends >= 1."""
     g = torch.Generator().manual_seed(seed)
-    s = torch.randint(0, max_rows + 1, (world, world), generator=g)
-    s[s % 4 == 1] = 0
-    if zero_rank:
-        s[world - 1, :] = 0
+    s = torch.randint(0 if zeros else 1, max_rows + 1, (world, world), generator=g)
+    if zeros:
+        s[s % 4 == 1] = 0
+        if zero_rank:
+            s[world - 1, :] = 0
     return s.tolist()
 
 
@@ -121,7 +123,7 @@ def check_routing(out, s, rank, world):
 
 def sqnr_vs_bf16(rank, world, backend, seed):
     dev = device_for(backend)
-    s = split_matrix(world, seed, max_rows=64, zero_rank=False)
+    s = split_matrix(world, seed, max_rows=64, zeros=False)  # every rank gets rows
     out_splits = [s[i][rank] for i in range(world)]
     g = torch.Generator().manual_seed(seed + rank)
     x = torch.randn(sum(s[rank]), 256, generator=g).to(torch.bfloat16).to(dev)
