@@ -11,6 +11,7 @@ import resource
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+from helpers import sqnr_db
 
 import mxfp8_a2a as mx
 
@@ -135,11 +136,7 @@ def sqnr_vs_bf16(rank, world, backend, seed):
     out = mx.to_mxfp8_a2a_dequant(xb, out_splits, s[rank])
     (out.float() * w.float()).sum().backward()
 
-    def sqnr(a, b):
-        a, b = a.double(), b.double()
-        return (10 * torch.log10(a.pow(2).sum() / (a - b).pow(2).sum())).item()
-
-    return sqnr(ref.detach(), out.detach()), sqnr(xa.grad, xb.grad)
+    return sqnr_db(ref.detach(), out.detach()), sqnr_db(xa.grad, xb.grad)
 
 
 def edge_cases(rank, world, backend):

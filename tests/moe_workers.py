@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from a2a_workers import device_for
+from helpers import sqnr_db
 
 from mxfp8_a2a.moe import ExpertParallelMoE, init_moe_weights, moe_reference
 
@@ -81,7 +82,4 @@ def mxfp8_vs_bf16(rank, world, backend, seed, top_k, routing):
         results.append((out.detach().double(), x.grad.double()))
     (ref_out, ref_grad), (out, grad) = results
 
-    def sqnr(a, b):
-        return (10 * torch.log10(a.pow(2).sum() / (a - b).pow(2).sum())).item()
-
-    return sqnr(ref_out, out), sqnr(ref_grad, grad)
+    return sqnr_db(ref_out, out), sqnr_db(ref_grad, grad)
