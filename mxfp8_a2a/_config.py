@@ -6,6 +6,8 @@ Each kernel program handles ``BLOCK_G`` blocks of 32 elements. Values picked by
 that tests stay quick.
 """
 
+from typing import NamedTuple
+
 QUANTIZE_BLOCK_G = 256
 QUANTIZE_NUM_WARPS = 4
 DEQUANTIZE_BLOCK_G = 256
@@ -22,13 +24,37 @@ PIPELINE_MAX_CHUNKS = 8
 PIPELINE_RESERVED_SMS = 16
 PIPELINE_PROGRAMS_PER_SM = 8
 
-# Per-group FP8 scaling (mxfp8_a2a/per_group_scales.py). First values, measured once on
-# H200 (BENCHMARKS.md, about 1.1 TB/s effective at (16640, 8192)); scripts/tune_per_group.py
-# sweeps them. The interpreter uses small tiles.
-ROWWISE_BLOCK_N = 8
-ROWWISE_BLOCK_C = 512
-ROWWISE_NUM_WARPS = 4
-COLWISE_BLOCK_M = 64
-COLWISE_BLOCK_K = 128
-INTERPRET_ROWWISE = (8, 32)
-INTERPRET_COLWISE = (16, 32)
+# Per-group FP8 scaling (mxfp8_a2a/per_group_scales.py). A program holds one tile of
+# ``tile`` elements in registers: the whole group along the group axis (a power of two from
+# ``min_group`` up) times tile / that along the other axis, down to ``tile >> (n_classes - 1)
+# // min_group`` indices of the other axis (columns for colwise: at least 16 so that reads of
+# a row-major x stay coalesced). Longer groups loop in [loop_other, loop_group] tiles.
+# First values; scripts/tune_per_group.py sweeps them on the GPU (BENCHMARKS.md).
+
+
+class GroupTiling(NamedTuple):
+    tile: int
+    min_group: int
+    n_classes: int
+    loop_other: int
+    loop_group: int
+    num_warps: int
+
+
+ROWWISE_TILING = GroupTiling(
+    tile=8192, min_group=32, n_classes=9, loop_other=1, loop_group=8192, num_warps=8
+)
+COLWISE_TILING = GroupTiling(
+    tile=16384, min_group=16, n_classes=7, loop_other=64, loop_group=64, num_warps=8
+)
+# The interpreter (CPU tests): few classes, so that tests of a few hundred rows run every
+# class and the loop; large tiles, as its cost is per operation.
+INTERPRET_ROWWISE_TILING = GroupTiling(1024, 16, 4, 8, 64, 4)
+INTERPRET_COLWISE_TILING = GroupTiling(1024, 8, 4, 16, 32, 4)
+
+
+def per_group_tiling(group_dim: int, interpreted: bool) -> GroupTiling:
+    """Tiling for groups along dim ``group_dim`` (1: rowwise scales, 0: colwise)."""
+    if interpreted:
+        return INTERPRET_ROWWISE_TILING if group_dim == 1 else INTERPRET_COLWISE_TILING
+    return ROWWISE_TILING if group_dim == 1 else COLWISE_TILING

@@ -6,12 +6,14 @@ division in float64 rounded to float32 (optionally rounded down to a power of tw
 data = clamp(x * scale, -448, 448) in fp32, cast to e4m3 (NaN stays NaN). An empty group
 gets scale fp32(448 / 1e-12).
 
-Layers: Triton kernels (``_colwise_amax_kernel`` + ``_colwise_quantize_kernel``, and
-``_rowwise_kernel``) -> launchers -> custom ops -> ``per_group_colwise_scales`` /
-``per_group_rowwise_scales``. ``*_reference`` loop over groups in plain torch.
+Layers: one Triton kernel (``_per_group_kernel``, both layouts) -> launcher -> custom ops
+-> ``per_group_colwise_scales`` / ``per_group_rowwise_scales``. ``*_reference`` loop over
+groups in plain torch.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -74,83 +76,26 @@ def per_group_rowwise_reference(
 
 
 # ---------------------------------------------------------------------------- kernels
+#
+# One kernel serves both layouts. Axes: the "group" axis (the one ``offs`` cuts: columns for
+# rowwise, rows for colwise) and the "other" axis (one scale per index of it). A program
+# takes one (group, tile) work item and keeps a tile of TILE elements in registers, so x is
+# read from memory once: the tile spans the whole group along the group axis (the power of
+# two >= the group's extent, at least MIN_GROUP: its "size class") and TILE / that along
+# the other axis. Groups longer than the largest class fall to a loop over the group in
+# [LOOP_OTHER, LOOP_GROUP] tiles (amax pass, then a second pass, mostly from cache).
 
 
 @triton.jit
-def _group_start(offs_ptr, g):
-    return tl.load(offs_ptr + g - 1, mask=g > 0, other=0)
-
-
-@triton.jit
-def _first_group(offs_ptr, n_groups, row, BLOCK_GROUPS: tl.constexpr):
-    """Index of the group holding ``row``: the number of groups ending at or before it."""
-    gi = tl.arange(0, BLOCK_GROUPS)
-    ends = tl.load(offs_ptr + gi, mask=gi < n_groups, other=2147483647)
-    return tl.sum((ends <= row).to(tl.int32), axis=0)
-
-
-@triton.jit
-def _colwise_amax_kernel(
-    x_ptr, offs_ptr, amax_ptr, m, k, n_groups, stride_xm, stride_xk,
-    SOFT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_GROUPS: tl.constexpr,
-):  # fmt: skip
-    """amax_ptr: int32 [G, K] zeros in, |x| bits max per (group, column) out (atomic max)."""
-    r0 = tl.program_id(0) * BLOCK_M
-    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    rows = r0 + tl.arange(0, BLOCK_M)
-    cmask = cols < k
-    x = tl.load(
-        x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :] * stride_xk,
-        mask=(rows < m)[:, None] & cmask[None, :],
-        other=0.0,
-    )
-    bits = to_fp32(x, SOFT).to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    g = _first_group(offs_ptr, n_groups, r0, BLOCK_GROUPS)
-    start = _group_start(offs_ptr, g)
-    r1 = tl.minimum(r0 + BLOCK_M, m)
-    while (g < n_groups) & (start < r1):
-        end = tl.load(offs_ptr + g)
-        inside = (rows >= start) & (rows < end)
-        col_max = tl.max(tl.where(inside[:, None], bits, 0), axis=0)
-        tl.atomic_max(amax_ptr + g * k + cols, col_max, mask=cmask)  # empty groups add 0
-        g += 1
-        start = end
-
-
-@triton.jit
-def _colwise_quantize_kernel(
-    x_ptr, offs_ptr, scale_ptr, data_ptr, m, k, n_groups, stride_xm, stride_xk,
-    SOFT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_GROUPS: tl.constexpr,
-):  # fmt: skip
-    """data (uint8 [M, K] row-major) = e4m3(clamp(x * scale[group(row), col]))."""
-    r0 = tl.program_id(0) * BLOCK_M
-    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    rows = r0 + tl.arange(0, BLOCK_M)
-    cmask = cols < k
-    mask = (rows < m)[:, None] & cmask[None, :]
-    x = to_fp32(
-        tl.load(
-            x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :] * stride_xk, mask=mask
-        ),
-        SOFT,
-    )
-    scale = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
-    g = _first_group(offs_ptr, n_groups, r0, BLOCK_GROUPS)
-    start = _group_start(offs_ptr, g)
-    r1 = tl.minimum(r0 + BLOCK_M, m)
-    while (g < n_groups) & (start < r1):
-        end = tl.load(offs_ptr + g)
-        s = tl.load(scale_ptr + g * k + cols, mask=cmask, other=0.0)
-        inside = (rows >= start) & (rows < end)
-        scale = tl.where(inside[:, None], s[None, :], scale)
-        g += 1
-        start = end
-    y = _clamp_nan(x * scale)
-    tl.store(
-        data_ptr + rows[:, None].to(tl.int64) * k + cols[None, :],
-        fp32_to_e4m3_bits(y, SOFT),
-        mask=mask,
-    )
+def _scales(amax_bits, ROUND_POW2: tl.constexpr):
+    """fp32 448 / max(amax, 1e-12) with the division in fp64 (NaN amax gives NaN)."""
+    a = amax_bits.to(tl.float32, bitcast=True).to(tl.float64)
+    eps = tl.full(a.shape, 1e-12, tl.float64)
+    scale = (448.0 / tl.where(a < eps, eps, a)).to(tl.float32)
+    if ROUND_POW2:
+        keep = (scale.to(tl.int32, bitcast=True) >> 23) << 23  # sign and exponent only
+        scale = tl.where(scale != scale, scale, keep.to(tl.float32, bitcast=True))
+    return scale
 
 
 @triton.jit
@@ -161,85 +106,150 @@ def _clamp_nan(y):
 
 
 @triton.jit
-def _rowwise_kernel(
-    x_ptr, offs_ptr, scale_ptr, data_ptr, n, m, stride_xn, stride_xm,
-    ROUND_POW2: tl.constexpr, SOFT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+def _load_tile(x_ptr, o, i, mask, sxo, sxg, SOFT: tl.constexpr):
+    ptrs = x_ptr + o[:, None].to(tl.int64) * sxo + i[None, :].to(tl.int64) * sxg
+    return to_fp32(tl.load(ptrs, mask=mask, other=0.0), SOFT)
+
+
+@triton.jit
+def _store_tile(data_ptr, o, i, mask, y, sdo, sdg, SOFT: tl.constexpr):
+    ptrs = data_ptr + o[:, None].to(tl.int64) * sdo + i[None, :].to(tl.int64) * sdg
+    tl.store(ptrs, fp32_to_e4m3_bits(_clamp_nan(y), SOFT), mask=mask)
+
+
+@triton.jit
+def _group_tile(
+    x_ptr, scale_ptr, data_ptr, g, start, end, o0, n_other, sxo, sxg, sdo, sdg,
+    ROUND_POW2: tl.constexpr, SOFT: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_G: tl.constexpr,
 ):  # fmt: skip
-    """Program (row block, group): amax of each row over the group's columns, the scale,
-    then the e4m3 data of those columns (a second pass over the same bytes, from cache)."""
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    g = tl.program_id(1)
-    start = _group_start(offs_ptr, g)
-    end = tl.load(offs_ptr + g)
-    rmask = rows < n
-    row_off = rows[:, None].to(tl.int64) * stride_xn
-    amax = tl.zeros((BLOCK_N,), dtype=tl.int32)
-    for c0 in range(start, end, BLOCK_C):
-        cols = c0 + tl.arange(0, BLOCK_C)
-        mask = rmask[:, None] & (cols < end)[None, :]
-        x = tl.load(x_ptr + row_off + cols[None, :] * stride_xm, mask=mask, other=0.0)
-        bits = to_fp32(x, SOFT).to(tl.int32, bitcast=True) & 0x7FFFFFFF
-        amax = tl.maximum(amax, tl.max(bits, axis=1))
-    a = amax.to(tl.float32, bitcast=True).to(tl.float64)
-    eps = tl.full((BLOCK_N,), 1e-12, tl.float64)
-    scale = (448.0 / tl.where(a < eps, eps, a)).to(tl.float32)
-    if ROUND_POW2:
-        keep = (scale.to(tl.int32, bitcast=True) >> 23) << 23  # sign and exponent only
-        rounded = keep.to(tl.float32, bitcast=True)
-        scale = tl.where(scale != scale, scale, rounded)
-    tl.store(scale_ptr + g * n + rows, scale, mask=rmask)
-    for c0 in range(start, end, BLOCK_C):
-        cols = c0 + tl.arange(0, BLOCK_C)
-        mask = rmask[:, None] & (cols < end)[None, :]
-        x = to_fp32(tl.load(x_ptr + row_off + cols[None, :] * stride_xm, mask=mask), SOFT)
-        y = _clamp_nan(x * scale[:, None])
-        dst = data_ptr + rows[:, None].to(tl.int64) * m + cols[None, :]
-        tl.store(dst, fp32_to_e4m3_bits(y, SOFT), mask=mask)
+    """The whole group [start, end) for BLOCK_O indices of the other axis, one read."""
+    o = o0 + tl.arange(0, BLOCK_O)
+    i = start + tl.arange(0, BLOCK_G)
+    omask = o < n_other
+    mask = omask[:, None] & (i < end)[None, :]
+    x = _load_tile(x_ptr, o, i, mask, sxo, sxg, SOFT)
+    scale = _scales(tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1), ROUND_POW2)
+    tl.store(scale_ptr + g * n_other + o, scale, mask=omask)
+    _store_tile(data_ptr, o, i, mask, x * scale[:, None], sdo, sdg, SOFT)
+
+
+@triton.jit
+def _group_loop(
+    x_ptr, scale_ptr, data_ptr, g, start, end, o0, n_other, sxo, sxg, sdo, sdg,
+    ROUND_POW2: tl.constexpr, SOFT: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_G: tl.constexpr,
+):  # fmt: skip
+    """Same result for groups too long for one tile: amax pass, then the data pass."""
+    o = o0 + tl.arange(0, BLOCK_O)
+    omask = o < n_other
+    amax = tl.zeros((BLOCK_O,), dtype=tl.int32)
+    for s in range(start, end, BLOCK_G):
+        i = s + tl.arange(0, BLOCK_G)
+        x = _load_tile(x_ptr, o, i, omask[:, None] & (i < end)[None, :], sxo, sxg, SOFT)
+        amax = tl.maximum(amax, tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1))
+    scale = _scales(amax, ROUND_POW2)
+    tl.store(scale_ptr + g * n_other + o, scale, mask=omask)
+    for s in range(start, end, BLOCK_G):
+        i = s + tl.arange(0, BLOCK_G)
+        mask = omask[:, None] & (i < end)[None, :]
+        x = _load_tile(x_ptr, o, i, mask, sxo, sxg, SOFT)
+        _store_tile(data_ptr, o, i, mask, x * scale[:, None], sdo, sdg, SOFT)
+
+
+@triton.jit
+def _per_group_kernel(
+    x_ptr, offs_ptr, scale_ptr, data_ptr, n_other, n_groups, sxo, sxg, sdo, sdg,
+    ROUND_POW2: tl.constexpr, SOFT: tl.constexpr, ALIGN: tl.constexpr, TILE: tl.constexpr,
+    MIN_GROUP: tl.constexpr, N_CLASSES: tl.constexpr, LOOP_OTHER: tl.constexpr,
+    LOOP_GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr,
+):  # fmt: skip
+    """x: [other, group] through strides (sxo, sxg); data (uint8 e4m3 bits) likewise through
+    (sdo, sdg); offs: int32 [n_groups] end offsets along the group axis, each a multiple of
+    ALIGN; scale: fp32 [n_groups, n_other]. Program p takes the p-th (group, tile) item,
+    items ordered by group; a group of class c has cdiv(n_other, TILE // (MIN_GROUP << c))
+    tiles, one of the loop class cdiv(n_other, LOOP_OTHER) (see ``_n_programs``)."""
+    gi = tl.arange(0, BLOCK_GROUPS)
+    valid = gi < n_groups
+    ends = tl.load(offs_ptr + gi, mask=valid, other=0)
+    starts = tl.load(offs_ptr + gi - 1, mask=valid & (gi > 0), other=0)
+    cls = tl.zeros((BLOCK_GROUPS,), dtype=tl.int32)
+    for c in tl.static_range(N_CLASSES):
+        cls += (ends - starts > (MIN_GROUP << c)).to(tl.int32)
+    per_tile = tl.where(cls < N_CLASSES, (TILE // MIN_GROUP) >> cls, LOOP_OTHER)
+    tiles = tl.where(valid, (n_other + per_tile - 1) // per_tile, 0)
+    before = tl.cumsum(tiles, 0) - tiles
+    pid = tl.program_id(0)
+    g = tl.sum((before + tiles <= pid).to(tl.int32), axis=0)
+    mine = gi == g
+    t = pid - tl.sum(tl.where(mine, before, 0), axis=0)
+    c = tl.where(g < n_groups, tl.sum(tl.where(mine, cls, 0), axis=0), N_CLASSES + 1)
+    start = tl.sum(tl.where(mine, starts, 0), axis=0) // ALIGN * ALIGN  # tells the compiler
+    end = tl.sum(tl.where(mine, ends, 0), axis=0) // ALIGN * ALIGN  # both are aligned
+    for k in tl.static_range(N_CLASSES):
+        if c == k:
+            bo: tl.constexpr = TILE // (MIN_GROUP << k)
+            _group_tile(
+                x_ptr, scale_ptr, data_ptr, g, start, end, t * bo, n_other, sxo, sxg, sdo, sdg,
+                ROUND_POW2, SOFT, BLOCK_O=bo, BLOCK_G=MIN_GROUP << k,
+            )  # fmt: skip
+    if c == N_CLASSES:
+        _group_loop(
+            x_ptr, scale_ptr, data_ptr, g, start, end, t * LOOP_OTHER, n_other, sxo, sxg, sdo,
+            sdg, ROUND_POW2, SOFT, BLOCK_O=LOOP_OTHER, BLOCK_G=LOOP_GROUP,
+        )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- launchers
 
 
+def _n_programs(ends: list[int], n_other: int, tiling: _config.GroupTiling) -> int:
+    """Work items of ``_per_group_kernel`` (the same count the kernel derives)."""
+    total, start = 0, 0
+    for end in ends:
+        c = sum(end - start > tiling.min_group << k for k in range(tiling.n_classes))
+        per_tile = (
+            tiling.tile // tiling.min_group >> c if c < tiling.n_classes else tiling.loop_other
+        )
+        total += -(-n_other // per_tile)
+        start = end
+    return total
+
+
+def _per_group_triton(
+    x: torch.Tensor, offs: torch.Tensor, pow2: bool, group_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Groups along ``group_dim``: data e4m3 shaped like x (row-major), scales fp32
+    (G, x.shape[1 - group_dim])."""
+    g = offs.numel()
+    soft = x.device.type == "cpu"
+    other_dim = 1 - group_dim
+    n_other = x.shape[other_dim]
+    scales = torch.empty((g, n_other), dtype=torch.float32, device=x.device)
+    data = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    if g and n_other:
+        tiling = _config.per_group_tiling(group_dim, interpreted=soft)
+        ends = offs.tolist()
+        _per_group_kernel[(_n_programs(ends, n_other, tiling),)](
+            x, offs, scales, data, n_other, g,
+            x.stride(other_dim), x.stride(group_dim),
+            data.stride(other_dim), data.stride(group_dim),
+            ROUND_POW2=pow2, SOFT=soft, ALIGN=math.gcd(16, *ends), TILE=tiling.tile,
+            MIN_GROUP=tiling.min_group, N_CLASSES=tiling.n_classes,
+            LOOP_OTHER=tiling.loop_other, LOOP_GROUP=tiling.loop_group,
+            BLOCK_GROUPS=max(2, triton.next_power_of_2(g)), num_warps=tiling.num_warps,
+        )  # fmt: skip
+    return data.view(torch.float8_e4m3fn), scales
+
+
 def _colwise_triton(
     x: torch.Tensor, offs: torch.Tensor, pow2: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    m, k = x.shape
-    g = offs.numel()
-    soft = x.device.type == "cpu"
-    amax = torch.zeros((g, k), dtype=torch.int32, device=x.device)
-    data = torch.empty((m, k), dtype=torch.uint8, device=x.device)
-    bm, bk = (
-        _config.INTERPRET_COLWISE if soft else (_config.COLWISE_BLOCK_M, _config.COLWISE_BLOCK_K)
-    )
-    grid = (triton.cdiv(m, bm), triton.cdiv(k, bk))
-    common = dict(SOFT=soft, BLOCK_M=bm, BLOCK_K=bk, BLOCK_GROUPS=triton.next_power_of_2(max(g, 1)))
-    if m and k and g:
-        _colwise_amax_kernel[grid](x, offs, amax, m, k, g, x.stride(0), x.stride(1), **common)
-    scales = scales_from_amax(amax.view(torch.float32), pow2)
-    if m and k and g:
-        _colwise_quantize_kernel[grid](
-            x, offs, scales, data, m, k, g, x.stride(0), x.stride(1), **common
-        )
-    return data.view(torch.float8_e4m3fn), scales
+    return _per_group_triton(x, offs, pow2, group_dim=0)
 
 
 def _rowwise_direct_triton(
     x: torch.Tensor, offs: torch.Tensor, pow2: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    n, m = x.shape
-    g = offs.numel()
-    soft = x.device.type == "cpu"
-    scales = torch.empty((g, n), dtype=torch.float32, device=x.device)
-    data = torch.empty((n, m), dtype=torch.uint8, device=x.device)
-    bn, bc = (
-        _config.INTERPRET_ROWWISE if soft else (_config.ROWWISE_BLOCK_N, _config.ROWWISE_BLOCK_C)
-    )
-    if n and g:
-        _rowwise_kernel[(triton.cdiv(n, bn), g)](
-            x, offs, scales, data, n, m, x.stride(0), x.stride(1),
-            ROUND_POW2=pow2, SOFT=soft, BLOCK_N=bn, BLOCK_C=bc, num_warps=_config.ROWWISE_NUM_WARPS,
-        )  # fmt: skip
-    return data.view(torch.float8_e4m3fn), scales
+    return _per_group_triton(x, offs, pow2, group_dim=1)
 
 
 @torch.library.custom_op("mxfp8_a2a::per_group_colwise", mutates_args=())
@@ -294,7 +304,7 @@ def _check(x: torch.Tensor, offs: torch.Tensor, dim: int, backend: str) -> str:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     if backend == "auto":
         return "triton" if x.device.type == "cuda" else "torch"
-    if backend == "triton" and x.device.type == "cpu" and not interpreted(_rowwise_kernel):
+    if backend == "triton" and x.device.type == "cpu" and not interpreted(_per_group_kernel):
         raise RuntimeError(
             "backend='triton' on CPU tensors needs TRITON_INTERPRET=1 set before import"
         )

@@ -17,6 +17,9 @@ def _offsets(total: int, n_groups: int, g: torch.Generator, kind: str) -> torch.
         cuts = sorted(torch.randint(0, total + 1, (n_groups - 1,), generator=g).tolist())
         cuts[: len(cuts) // 3] = [cuts[0]] * (len(cuts) // 3)  # several empty groups
         ends = cuts + [total]
+    elif kind == "aligned":  # multiples of 16, as MoE token counts often are
+        cuts = sorted(torch.randint(0, total // 16 + 1, (n_groups - 1,), generator=g).tolist())
+        ends = [16 * c for c in cuts] + [total]
     else:  # uneven
         ends = sorted(torch.randint(0, total + 1, (n_groups - 1,), generator=g).tolist()) + [total]
     return torch.tensor(ends, dtype=torch.int32)
@@ -43,11 +46,12 @@ def _same(a, b):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("pow2", [False, True])
 @pytest.mark.parametrize(
-    "n_groups, kind", [(1, "uneven"), (16, "uneven"), (64, "with_empty"), (5, "one_holds_all")]
+    "n_groups, kind",
+    [(1, "uneven"), (16, "uneven"), (64, "with_empty"), (5, "one_holds_all"), (6, "aligned")],
 )
 def test_colwise_and_rowwise_match_reference(device, dtype, pow2, n_groups, kind):
     g = fresh_generator()
-    m, k = 203, 96  # rows not a multiple of any block size
+    m, k = (208 if kind == "aligned" else 203), 96  # 203: not a multiple of any block size
     x = _data((m, k), dtype, device, g)
     offs = _offsets(m, n_groups, g, kind).to(device)
     _same(
@@ -62,6 +66,19 @@ def test_colwise_and_rowwise_match_reference(device, dtype, pow2, n_groups, kind
         )
         assert got[0].shape == xt.shape and got[1].shape == (n_groups, 96)
         _same(got, want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_groups_longer_than_one_tile(dtype):
+    """Groups past the largest size class (GPU tiling) take the looping path."""
+    g = fresh_generator()
+    x = _data((2100, 80), dtype, "cuda", g)  # colwise: a group of 1500 rows
+    offs = torch.tensor([300, 300, 1800, 2100], dtype=torch.int32, device="cuda")
+    _same(per_group_colwise_scales(x, offs), per_group_colwise_reference(x, offs))
+    x = _data((24, 9000), dtype, "cuda", g)  # rowwise: a group 8500 columns wide
+    offs = torch.tensor([500, 9000], dtype=torch.int32, device="cuda")
+    _same(per_group_rowwise_scales(x, offs), per_group_rowwise_reference(x, offs))
 
 
 def test_reference_formula():
