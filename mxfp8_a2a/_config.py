@@ -29,6 +29,7 @@ PIPELINE_PROGRAMS_PER_SM = 8
 # ``min_group`` up) times tile / that along the other axis, down to ``tile >> (n_classes - 1)
 # // min_group`` indices of the other axis (columns for colwise: at least 16 so that reads of
 # a row-major x stay coalesced). Longer groups loop in [loop_other, loop_group] tiles.
+# The grid is programs_per_sm per multiprocessor; programs stride over the work items.
 # First values; scripts/tune_per_group.py sweeps them on the GPU (BENCHMARKS.md).
 
 
@@ -39,18 +40,21 @@ class GroupTiling(NamedTuple):
     loop_other: int
     loop_group: int
     num_warps: int
+    programs_per_sm: int
 
 
 ROWWISE_TILING = GroupTiling(
-    tile=8192, min_group=32, n_classes=9, loop_other=1, loop_group=8192, num_warps=8
-)
+    tile=8192, min_group=32, n_classes=9, loop_other=1, loop_group=8192, num_warps=8,
+    programs_per_sm=3,
+)  # fmt: skip
 COLWISE_TILING = GroupTiling(
-    tile=16384, min_group=16, n_classes=7, loop_other=64, loop_group=64, num_warps=8
-)
+    tile=8192, min_group=16, n_classes=6, loop_other=16, loop_group=512, num_warps=4,
+    programs_per_sm=4,
+)  # fmt: skip
 # The interpreter (CPU tests): few classes, so that tests of a few hundred rows run every
 # class and the loop; large tiles, as its cost is per operation.
-INTERPRET_ROWWISE_TILING = GroupTiling(1024, 16, 4, 8, 64, 4)
-INTERPRET_COLWISE_TILING = GroupTiling(1024, 8, 4, 16, 32, 4)
+INTERPRET_ROWWISE_TILING = GroupTiling(1024, 16, 4, 8, 64, 4, 1)
+INTERPRET_COLWISE_TILING = GroupTiling(1024, 8, 4, 16, 32, 4, 1)
 
 
 def per_group_tiling(group_dim: int, interpreted: bool) -> GroupTiling:

@@ -13,8 +13,6 @@ groups in plain torch.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -119,14 +117,15 @@ def _store_tile(data_ptr, o, i, mask, y, sdo, sdg, SOFT: tl.constexpr):
 
 @triton.jit
 def _group_tile(
-    x_ptr, scale_ptr, data_ptr, g, start, end, o0, n_other, sxo, sxg, sdo, sdg,
+    x_ptr, scale_ptr, data_ptr, g, lo, start, end, o0, n_other, sxo, sxg, sdo, sdg,
     ROUND_POW2: tl.constexpr, SOFT: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_G: tl.constexpr,
 ):  # fmt: skip
-    """The whole group [start, end) for BLOCK_O indices of the other axis, one read."""
+    """The whole group [start, end) (a tile from lo <= start) for BLOCK_O indices of the
+    other axis, one read."""
     o = o0 + tl.arange(0, BLOCK_O)
-    i = start + tl.arange(0, BLOCK_G)
+    i = lo + tl.arange(0, BLOCK_G)
     omask = o < n_other
-    mask = omask[:, None] & (i < end)[None, :]
+    mask = omask[:, None] & ((i >= start) & (i < end))[None, :]
     x = _load_tile(x_ptr, o, i, mask, sxo, sxg, SOFT)
     scale = _scales(tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1), ROUND_POW2)
     tl.store(scale_ptr + g * n_other + o, scale, mask=omask)
@@ -135,90 +134,93 @@ def _group_tile(
 
 @triton.jit
 def _group_loop(
-    x_ptr, scale_ptr, data_ptr, g, start, end, o0, n_other, sxo, sxg, sdo, sdg,
+    x_ptr, scale_ptr, data_ptr, g, lo, start, end, o0, n_other, sxo, sxg, sdo, sdg,
     ROUND_POW2: tl.constexpr, SOFT: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_G: tl.constexpr,
 ):  # fmt: skip
     """Same result for groups too long for one tile: amax pass, then the data pass."""
     o = o0 + tl.arange(0, BLOCK_O)
     omask = o < n_other
     amax = tl.zeros((BLOCK_O,), dtype=tl.int32)
-    for s in range(start, end, BLOCK_G):
+    for s in range(lo, end, BLOCK_G):
         i = s + tl.arange(0, BLOCK_G)
-        x = _load_tile(x_ptr, o, i, omask[:, None] & (i < end)[None, :], sxo, sxg, SOFT)
+        mask = omask[:, None] & ((i >= start) & (i < end))[None, :]
+        x = _load_tile(x_ptr, o, i, mask, sxo, sxg, SOFT)
         amax = tl.maximum(amax, tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1))
     scale = _scales(amax, ROUND_POW2)
     tl.store(scale_ptr + g * n_other + o, scale, mask=omask)
-    for s in range(start, end, BLOCK_G):
+    for s in range(lo, end, BLOCK_G):
         i = s + tl.arange(0, BLOCK_G)
-        mask = omask[:, None] & (i < end)[None, :]
+        mask = omask[:, None] & ((i >= start) & (i < end))[None, :]
         x = _load_tile(x_ptr, o, i, mask, sxo, sxg, SOFT)
         _store_tile(data_ptr, o, i, mask, x * scale[:, None], sdo, sdg, SOFT)
 
 
 @triton.jit
 def _per_group_kernel(
-    x_ptr, offs_ptr, scale_ptr, data_ptr, n_other, n_groups, sxo, sxg, sdo, sdg,
+    x_ptr, offs_ptr, scale_ptr, data_ptr, n_other, extent, n_groups, sxo, sxg, sdo, sdg,
     ROUND_POW2: tl.constexpr, SOFT: tl.constexpr, ALIGN: tl.constexpr, TILE: tl.constexpr,
     MIN_GROUP: tl.constexpr, N_CLASSES: tl.constexpr, LOOP_OTHER: tl.constexpr,
     LOOP_GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr,
 ):  # fmt: skip
     """x: [other, group] through strides (sxo, sxg); data (uint8 e4m3 bits) likewise through
-    (sdo, sdg); offs: int32 [n_groups] end offsets along the group axis, each a multiple of
-    ALIGN; scale: fp32 [n_groups, n_other]. Program p takes the p-th (group, tile) item,
-    items ordered by group; a group of class c has cdiv(n_other, TILE // (MIN_GROUP << c))
-    tiles, one of the loop class cdiv(n_other, LOOP_OTHER) (see ``_n_programs``)."""
+    (sdo, sdg); offs: int32 [n_groups] end offsets along the group axis (length ``extent``);
+    scale: fp32 [n_groups, n_other].
+
+    Work items are (group, tile) pairs ordered by group; programs stride over them. A group's
+    tiles start at its start rounded down to ALIGN (aligned vector loads); its class c is the
+    smallest with span <= MIN_GROUP << c, giving cdiv(n_other, TILE // (MIN_GROUP << c))
+    tiles, or cdiv(n_other, LOOP_OTHER) for longer groups. Offsets are clamped to
+    [previous end, extent], so bad offsets cannot reach outside x or data."""
     gi = tl.arange(0, BLOCK_GROUPS)
     valid = gi < n_groups
-    ends = tl.load(offs_ptr + gi, mask=valid, other=0)
+    ends = tl.minimum(tl.maximum(tl.load(offs_ptr + gi, mask=valid, other=0), 0), extent)
     starts = tl.load(offs_ptr + gi - 1, mask=valid & (gi > 0), other=0)
+    starts = tl.minimum(tl.maximum(starts, 0), extent)
+    ends = tl.maximum(ends, starts)
+    los = starts // ALIGN * ALIGN
     cls = tl.zeros((BLOCK_GROUPS,), dtype=tl.int32)
     for c in tl.static_range(N_CLASSES):
-        cls += (ends - starts > (MIN_GROUP << c)).to(tl.int32)
+        cls += (ends - los > (MIN_GROUP << c)).to(tl.int32)
     per_tile = tl.where(cls < N_CLASSES, (TILE // MIN_GROUP) >> cls, LOOP_OTHER)
     tiles = tl.where(valid, (n_other + per_tile - 1) // per_tile, 0)
     before = tl.cumsum(tiles, 0) - tiles
-    pid = tl.program_id(0)
-    g = tl.sum((before + tiles <= pid).to(tl.int32), axis=0)
-    mine = gi == g
-    t = pid - tl.sum(tl.where(mine, before, 0), axis=0)
-    c = tl.where(g < n_groups, tl.sum(tl.where(mine, cls, 0), axis=0), N_CLASSES + 1)
-    start = tl.sum(tl.where(mine, starts, 0), axis=0) // ALIGN * ALIGN  # tells the compiler
-    end = tl.sum(tl.where(mine, ends, 0), axis=0) // ALIGN * ALIGN  # both are aligned
-    for k in tl.static_range(N_CLASSES):
-        if c == k:
-            bo: tl.constexpr = TILE // (MIN_GROUP << k)
-            _group_tile(
-                x_ptr, scale_ptr, data_ptr, g, start, end, t * bo, n_other, sxo, sxg, sdo, sdg,
-                ROUND_POW2, SOFT, BLOCK_O=bo, BLOCK_G=MIN_GROUP << k,
+    for item in range(tl.program_id(0), tl.sum(tiles, axis=0), tl.num_programs(0)):
+        g = tl.sum((before + tiles <= item).to(tl.int32), axis=0)
+        mine = gi == g
+        t = item - tl.sum(tl.where(mine, before, 0), axis=0)
+        c = tl.sum(tl.where(mine, cls, 0), axis=0)
+        lo = tl.sum(tl.where(mine, los, 0), axis=0) // ALIGN * ALIGN  # tells the compiler
+        start = tl.sum(tl.where(mine, starts, 0), axis=0)
+        end = tl.sum(tl.where(mine, ends, 0), axis=0)
+        for k in tl.static_range(N_CLASSES):
+            if c == k:
+                bo: tl.constexpr = TILE // (MIN_GROUP << k)
+                _group_tile(
+                    x_ptr, scale_ptr, data_ptr, g, lo, start, end, t * bo, n_other,
+                    sxo, sxg, sdo, sdg, ROUND_POW2, SOFT, BLOCK_O=bo, BLOCK_G=MIN_GROUP << k,
+                )  # fmt: skip
+        if c == N_CLASSES:
+            _group_loop(
+                x_ptr, scale_ptr, data_ptr, g, lo, start, end, t * LOOP_OTHER, n_other,
+                sxo, sxg, sdo, sdg, ROUND_POW2, SOFT, BLOCK_O=LOOP_OTHER, BLOCK_G=LOOP_GROUP,
             )  # fmt: skip
-    if c == N_CLASSES:
-        _group_loop(
-            x_ptr, scale_ptr, data_ptr, g, start, end, t * LOOP_OTHER, n_other, sxo, sxg, sdo,
-            sdg, ROUND_POW2, SOFT, BLOCK_O=LOOP_OTHER, BLOCK_G=LOOP_GROUP,
-        )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- launchers
 
 
-def _n_programs(ends: list[int], n_other: int, tiling: _config.GroupTiling) -> int:
-    """Work items of ``_per_group_kernel`` (the same count the kernel derives)."""
-    total, start = 0, 0
-    for end in ends:
-        c = sum(end - start > tiling.min_group << k for k in range(tiling.n_classes))
-        per_tile = (
-            tiling.tile // tiling.min_group >> c if c < tiling.n_classes else tiling.loop_other
-        )
-        total += -(-n_other // per_tile)
-        start = end
-    return total
+def _n_programs(device: torch.device, tiling: _config.GroupTiling) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter runs programs one after another
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return sms * tiling.programs_per_sm
 
 
 def _per_group_triton(
     x: torch.Tensor, offs: torch.Tensor, pow2: bool, group_dim: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Groups along ``group_dim``: data e4m3 shaped like x (row-major), scales fp32
-    (G, x.shape[1 - group_dim])."""
+    (G, x.shape[1 - group_dim]). No host synchronization."""
     g = offs.numel()
     soft = x.device.type == "cpu"
     other_dim = 1 - group_dim
@@ -227,13 +229,12 @@ def _per_group_triton(
     data = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
     if g and n_other:
         tiling = _config.per_group_tiling(group_dim, interpreted=soft)
-        ends = offs.tolist()
-        _per_group_kernel[(_n_programs(ends, n_other, tiling),)](
-            x, offs, scales, data, n_other, g,
+        _per_group_kernel[(_n_programs(x.device, tiling),)](
+            x, offs, scales, data, n_other, x.shape[group_dim], g,
             x.stride(other_dim), x.stride(group_dim),
             data.stride(other_dim), data.stride(group_dim),
-            ROUND_POW2=pow2, SOFT=soft, ALIGN=math.gcd(16, *ends), TILE=tiling.tile,
-            MIN_GROUP=tiling.min_group, N_CLASSES=tiling.n_classes,
+            ROUND_POW2=pow2, SOFT=soft, ALIGN=16 if x.stride(group_dim) == 1 else 1,
+            TILE=tiling.tile, MIN_GROUP=tiling.min_group, N_CLASSES=tiling.n_classes,
             LOOP_OTHER=tiling.loop_other, LOOP_GROUP=tiling.loop_group,
             BLOCK_GROUPS=max(2, triton.next_power_of_2(g)), num_warps=tiling.num_warps,
         )  # fmt: skip
@@ -283,7 +284,7 @@ def _(x, offs, pow2):
 # ---------------------------------------------------------------------------- public
 
 
-def _check(x: torch.Tensor, offs: torch.Tensor, dim: int, backend: str) -> str:
+def _check(x: torch.Tensor, offs: torch.Tensor, dim: int, backend: str, validate: bool) -> str:
     if x.dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"x must be bfloat16 or float32, got {x.dtype}")
     if x.dim() != 2:
@@ -292,14 +293,8 @@ def _check(x: torch.Tensor, offs: torch.Tensor, dim: int, backend: str) -> str:
         raise TypeError("offs must be a 1-D int32 tensor of group end offsets")
     if offs.device != x.device:
         raise ValueError(f"offs ({offs.device}) must be on x's device ({x.device})")
-    host = offs.tolist()  # one small host sync; wrong offsets would read out of bounds
-    if any(b < a for a, b in zip([0] + host[:-1], host, strict=True)):
-        raise ValueError(f"offs must be non-decreasing and >= 0, got {host}")
-    if (host[-1] if host else 0) != x.shape[dim]:
-        raise ValueError(
-            f"offs[-1] must equal x.shape[{dim}] = {x.shape[dim]} (groups cover every index), "
-            f"got {host[-1] if host else 'no groups'}"
-        )
+    if validate:
+        _check_values(offs, x.shape[dim], dim)
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     if backend == "auto":
@@ -311,12 +306,25 @@ def _check(x: torch.Tensor, offs: torch.Tensor, dim: int, backend: str) -> str:
     return backend
 
 
+def _check_values(offs: torch.Tensor, extent: int, dim: int) -> None:
+    """Non-decreasing, >= 0, last == extent. Reads offs on the host (one synchronization)."""
+    host = offs.tolist()
+    if any(b < a for a, b in zip([0] + host[:-1], host, strict=True)):
+        raise ValueError(f"offs must be non-decreasing and >= 0, got {host}")
+    if (host[-1] if host else 0) != extent:
+        raise ValueError(
+            f"offs[-1] must equal x.shape[{dim}] = {extent} (groups cover every index), "
+            f"got {host[-1] if host else 'no groups'}"
+        )
+
+
 def per_group_colwise_scales(
     x: torch.Tensor,
     offs: torch.Tensor,
     *,
     round_scales_to_power_of_2: bool = False,
     backend: str = "auto",
+    validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FP8 copy of x (M, K) with one scale per (group of rows, column).
 
@@ -325,10 +333,14 @@ def per_group_colwise_scales(
         offs: int32 [G] group end offsets along dim 0, non-decreasing, offs[-1] == M.
         round_scales_to_power_of_2: round each scale down to a power of two.
         backend: "auto" (Triton on CUDA, torch on CPU), "triton", "torch".
+        validate: check the values of offs (non-decreasing, offs[-1] == x.shape[0]) with a
+            clear error; reads offs on the host, one synchronization. With False nothing
+            synchronizes (for hot loops and CUDA graphs); the kernel then clamps offsets
+            into range, so bad ones give wrong groups but no out-of-bounds access.
     Returns:
         data float8_e4m3fn (M, K) row-major; scales float32 (G, K).
     """
-    if _check(x, offs, 0, backend) == "torch":
+    if _check(x, offs, 0, backend, validate) == "torch":
         return per_group_colwise_reference(x, offs, round_scales_to_power_of_2)
     return _colwise_op(x, offs, round_scales_to_power_of_2)
 
@@ -340,6 +352,7 @@ def per_group_rowwise_scales(
     round_scales_to_power_of_2: bool = False,
     backend: str = "auto",
     method: str = "auto",
+    validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FP8 copy of x (N, M) with one scale per (group of columns, row).
 
@@ -348,12 +361,16 @@ def per_group_rowwise_scales(
         method: "direct" (one kernel over the row-major tensor), "transpose" (colwise
             scales on a column-major copy, data transposed back) or "auto" ("direct",
             the faster on H200, see BENCHMARKS.md).
+        validate: check the values of offs (non-decreasing, offs[-1] == x.shape[1]) with a
+            clear error; reads offs on the host, one synchronization. With False nothing
+            synchronizes (for hot loops and CUDA graphs); the kernel then clamps offsets
+            into range, so bad ones give wrong groups but no out-of-bounds access.
     Returns:
         data float8_e4m3fn (N, M) (column-major storage for "transpose"); scales float32 (G, N).
     """
     if method not in _METHODS:
         raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
-    if _check(x, offs, 1, backend) == "torch":
+    if _check(x, offs, 1, backend, validate) == "torch":
         return per_group_rowwise_reference(x, offs, round_scales_to_power_of_2)
     if method == "transpose":
         data, scales = _colwise_op(x.t().contiguous(), offs, round_scales_to_power_of_2)

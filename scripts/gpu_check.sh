@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# On a GPU machine: GPU tests, the cast tuning sweep and the benchmark suite, logs in OUTDIR.
-#   scripts/gpu_check.sh OUTDIR [tests|tune|bench|all]...
+# On a GPU machine: GPU tests, tuning sweeps and benchmarks, logs in OUTDIR.
+#   scripts/gpu_check.sh OUTDIR [tests|tune|bench|cast|pergroup|all]...
+# bench: the whole suite (scripts/run_benchmarks.sh); cast, pergroup: the one-GPU parts
+# (pergroup adds the per-group tiling sweep).
 set -uo pipefail
 out=${1:?usage: scripts/gpu_check.sh OUTDIR [stage...]}
 shift
@@ -16,6 +18,14 @@ if has tests; then
 fi
 if has tune; then
   timeout 200 python3 "$here/scripts/tune_cast.py" --json "$out/tune.json" 2>&1 | tee "$out/tune.txt" | tail -50
+fi
+if has cast; then
+  timeout 120 python3 "$here/benchmarks/bench_cast.py" --json "$out/cast.json" 2>&1 | tee "$out/cast.txt"
+fi
+if has pergroup; then
+  timeout 150 python3 "$here/benchmarks/bench_per_group_scales.py" --json "$out/per_group.json" 2>&1 | tee "$out/per_group.txt"
+  timeout 300 python3 "$here/scripts/tune_per_group.py" --json "$out/tune_per_group.json" > "$out/tune_per_group.txt" 2>&1
+  tail -5 "$out/tune_per_group.txt"
 fi
 if has bench; then
   timeout 400 "$here/scripts/run_benchmarks.sh" "$out" 2>&1 | grep -v '^W1' | tail -80

@@ -3,7 +3,7 @@
 #
 #   scripts/run_benchmarks.sh OUTDIR [NPROC]
 #
-# NPROC defaults to the number of GPUs. Runs: the cast benchmark (one GPU), the exchange
+# NPROC defaults to the number of GPUs. Runs: the cast and per-group benchmarks (one GPU), the exchange
 # benchmark over NVLink/PCIe as NCCL chooses, and again with NCCL_P2P_DISABLE=1 (NCCL through
 # host memory: a stand-in for an inter-node link), equal and skewed splits.
 set -euo pipefail
@@ -14,6 +14,7 @@ mkdir -p "$out"
 export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 run() { echo "+ $*" >&2; "$@"; }
 run python3 "$here/benchmarks/bench_cast.py" --json "$out/cast.json" 2>&1 | tee "$out/cast.txt"
+run python3 "$here/benchmarks/bench_per_group_scales.py" --json "$out/per_group.json" 2>&1 | tee "$out/per_group.txt"
 for splits in equal skewed; do
   run torchrun --nproc-per-node="$nproc" "$here/benchmarks/bench_a2a.py" --splits "$splits" \
     --json "$out/a2a_${splits}.json" --plot "$out/a2a_${splits}.png" 2>&1 | tee "$out/a2a_${splits}.txt"

@@ -1,10 +1,11 @@
-"""Sweep the per-group scaling kernels' tile sizes on the current GPU.
+"""Sweep the per-group scaling kernel's tilings on the current GPU.
 
     python scripts/tune_per_group.py [--json out.json]
 
-x (16640, 8192) bf16, 1/16/64 jagged groups; prints microseconds and effective GB/s
-(3 bytes per element) for each rowwise (BLOCK_N, BLOCK_C, warps) and colwise
-(BLOCK_M, BLOCK_K); the best go into mxfp8_a2a/_config.py.
+x (16640, 8192) bf16, 1/16/64 jagged groups (end offsets multiples of 16); prints
+microseconds and effective GB/s (3 bytes per element) of per_group_rowwise_scales
+(method="direct") and per_group_colwise_scales for each ``_config.GroupTiling`` tried;
+the best go into mxfp8_a2a/_config.py.
 """
 
 from __future__ import annotations
@@ -27,50 +28,46 @@ def offsets(total: int, n_groups: int, g: torch.Generator) -> torch.Tensor:
     return torch.cat([cuts, torch.tensor([total])]).to(torch.int32).cuda()
 
 
+def tilings(kind: str) -> list[_config.GroupTiling]:
+    """Rowwise: the last class is one row wide; colwise: ``min_other`` columns."""
+    out = []
+    if kind == "rowwise":
+        for tile, warps, per_sm in itertools.product([4096, 8192], [4, 8], [2, 4]):
+            n_classes = (tile // 32).bit_length()  # classes 32 .. tile columns
+            out.append(_config.GroupTiling(tile, 32, n_classes, 1, tile, warps, per_sm))
+    else:
+        for tile, min_other, warps in itertools.product([8192, 16384], [16, 32], [4, 8]):
+            n_classes = (tile // (16 * min_other)).bit_length()  # classes 16 .. tile/min_other rows
+            out.append(_config.GroupTiling(tile, 16, n_classes, 16, 512, warps, 4))
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--json")
     args = p.parse_args()
     g = torch.Generator().manual_seed(0)
     x = torch.randn(N, M, dtype=torch.bfloat16).cuda()
+    offs = {n: (offsets(M, n, g), offsets(N, n, g)) for n in (1, 16, 64)}
     rows = []
-    for n_groups in (1, 16, 64):
-        offs1, offs0 = offsets(M, n_groups, g), offsets(N, n_groups, g)
-        for bn, bc, warps in itertools.product([4, 8, 16, 32], [128, 256, 512, 1024], [4, 8]):
-            if bn * bc > 16384:
-                continue
-            _config.ROWWISE_BLOCK_N, _config.ROWWISE_BLOCK_C, _config.ROWWISE_NUM_WARPS = (
-                bn,
-                bc,
-                warps,
-            )
-            ms = triton.testing.do_bench(
-                lambda o=offs1: per_group_rowwise_scales(x, o, method="direct"),
-                return_mode="median",
-            )
-            rows.append(
-                {
-                    "fn": "rowwise",
-                    "groups": n_groups,
-                    "tile": f"{bn}x{bc} w{warps}",
-                    "us": ms * 1e3,
-                    "GB/s": 3 * N * M / ms / 1e6,
-                }
-            )
-        for bm, bk in itertools.product([32, 64, 128], [64, 128, 256]):
-            _config.COLWISE_BLOCK_M, _config.COLWISE_BLOCK_K = bm, bk
-            ms = triton.testing.do_bench(
-                lambda o=offs0: per_group_colwise_scales(x, o), return_mode="median"
-            )
-            rows.append(
-                {
-                    "fn": "colwise",
-                    "groups": n_groups,
-                    "tile": f"{bm}x{bk}",
-                    "us": ms * 1e3,
-                    "GB/s": 3 * N * M / ms / 1e6,
-                }
-            )
+    for kind, fn in (
+        ("rowwise", lambda o: per_group_rowwise_scales(x, o[0], method="direct", validate=False)),
+        ("colwise", lambda o: per_group_colwise_scales(x, o[1], validate=False)),
+    ):
+        for tiling in tilings(kind):
+            setattr(_config, f"{kind.upper()}_TILING", tiling)
+            for n_groups, o in offs.items():
+                ms = triton.testing.do_bench(lambda o=o, fn=fn: fn(o), return_mode="median")
+                rows.append(
+                    {
+                        "fn": kind,
+                        "groups": n_groups,
+                        "tiling": str(tuple(tiling)),
+                        "us": ms * 1e3,
+                        "GB/s": 3 * N * M / ms / 1e6,
+                    }
+                )
+                print(rows[-1], flush=True)
     print(tabulate(rows, headers="keys", floatfmt=".1f"))
     if args.json:
         with open(args.json, "w") as f:
