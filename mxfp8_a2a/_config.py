@@ -30,7 +30,8 @@ PIPELINE_PROGRAMS_PER_SM = 8
 # // min_group`` indices of the other axis (columns for colwise: at least 16 so that reads of
 # a row-major x stay coalesced). Longer groups loop in [loop_other, loop_group] tiles.
 # The grid is programs_per_sm per multiprocessor; programs stride over the work items.
-# First values; scripts/tune_per_group.py sweeps them on the GPU (BENCHMARKS.md).
+# Best of scripts/tune_per_group.py on an H200 (torch 2.11, triton 3.6), x (16640, 8192)
+# bf16 with 1/16/64 groups; table in BENCHMARKS.md.
 
 
 class GroupTiling(NamedTuple):
@@ -44,11 +45,11 @@ class GroupTiling(NamedTuple):
 
 
 ROWWISE_TILING = GroupTiling(
-    tile=8192, min_group=32, n_classes=9, loop_other=1, loop_group=8192, num_warps=8,
-    programs_per_sm=3,
+    tile=8192, min_group=32, n_classes=9, loop_other=1, loop_group=8192, num_warps=4,
+    programs_per_sm=2,
 )  # fmt: skip
 COLWISE_TILING = GroupTiling(
-    tile=8192, min_group=16, n_classes=6, loop_other=16, loop_group=512, num_warps=4,
+    tile=16384, min_group=16, n_classes=7, loop_other=16, loop_group=512, num_warps=4,
     programs_per_sm=4,
 )  # fmt: skip
 # The interpreter (CPU tests): few classes, so that tests of a few hundred rows run every

@@ -167,7 +167,7 @@ def _per_group_kernel(
     scale: fp32 [n_groups, n_other].
 
     Work items are (group, tile) pairs ordered by group; programs stride over them. A group's
-    tiles start at its start rounded down to ALIGN (aligned vector loads); its class c is the
+    tiles start at its start rounded down to ALIGN; its class c is the
     smallest with span <= MIN_GROUP << c, giving cdiv(n_other, TILE // (MIN_GROUP << c))
     tiles, or cdiv(n_other, LOOP_OTHER) for longer groups. Offsets are clamped to
     [previous end, extent], so bad offsets cannot reach outside x or data."""
@@ -179,8 +179,8 @@ def _per_group_kernel(
     ends = tl.maximum(ends, starts)
     los = starts // ALIGN * ALIGN
     cls = tl.zeros((BLOCK_GROUPS,), dtype=tl.int32)
-    for c in tl.static_range(N_CLASSES):
-        cls += (ends - los > (MIN_GROUP << c)).to(tl.int32)
+    for j in tl.static_range(N_CLASSES):
+        cls += (ends - los > (MIN_GROUP << j)).to(tl.int32)
     per_tile = tl.where(cls < N_CLASSES, (TILE // MIN_GROUP) >> cls, LOOP_OTHER)
     tiles = tl.where(valid, (n_other + per_tile - 1) // per_tile, 0)
     before = tl.cumsum(tiles, 0) - tiles
@@ -195,10 +195,23 @@ def _per_group_kernel(
         for k in tl.static_range(N_CLASSES):
             if c == k:
                 bo: tl.constexpr = TILE // (MIN_GROUP << k)
-                _group_tile(
-                    x_ptr, scale_ptr, data_ptr, g, lo, start, end, t * bo, n_other,
-                    sxo, sxg, sdo, sdg, ROUND_POW2, SOFT, BLOCK_O=bo, BLOCK_G=MIN_GROUP << k,
-                )  # fmt: skip
+                if ALIGN == 1:
+                    _group_tile(
+                        x_ptr, scale_ptr, data_ptr, g, lo, start, end, t * bo, n_other,
+                        sxo, sxg, sdo, sdg, ROUND_POW2, SOFT, bo, MIN_GROUP << k,
+                    )  # fmt: skip
+                elif (start % ALIGN == 0) & (end % ALIGN == 0):  # whole vectors: loads and
+                    a0 = start // ALIGN * ALIGN  # stores vectorize once the compiler
+                    a1 = end // ALIGN * ALIGN  # sees the alignment
+                    _group_tile(
+                        x_ptr, scale_ptr, data_ptr, g, a0, a0, a1, t * bo, n_other,
+                        sxo, sxg, sdo, sdg, ROUND_POW2, SOFT, bo, MIN_GROUP << k,
+                    )  # fmt: skip
+                else:
+                    _group_tile(
+                        x_ptr, scale_ptr, data_ptr, g, lo, start, end, t * bo, n_other,
+                        sxo, sxg, sdo, sdg, ROUND_POW2, SOFT, bo, MIN_GROUP << k,
+                    )  # fmt: skip
         if c == N_CLASSES:
             _group_loop(
                 x_ptr, scale_ptr, data_ptr, g, lo, start, end, t * LOOP_OTHER, n_other,
