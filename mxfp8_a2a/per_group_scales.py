@@ -6,7 +6,7 @@ division in float64 rounded to float32 (optionally rounded down to a power of tw
 data = clamp(x * scale, -448, 448) in fp32, cast to e4m3 (NaN stays NaN). An empty group
 gets scale fp32(448 / 1e-12).
 
-Layers: one Triton kernel (``_per_group_kernel``, both layouts) -> launcher -> custom ops
+Layers: one Triton kernel (``_per_group_kernel``, both layouts) -> launcher -> custom op
 -> ``per_group_colwise_scales`` / ``per_group_rowwise_scales``. ``*_reference`` loop over
 groups in plain torch.
 """
@@ -254,44 +254,17 @@ def _per_group_triton(
     return data.view(torch.float8_e4m3fn), scales
 
 
-def _colwise_triton(
-    x: torch.Tensor, offs: torch.Tensor, pow2: bool
+@torch.library.custom_op("mxfp8_a2a::per_group_scales", mutates_args=())
+def _per_group_op(
+    x: torch.Tensor, offs: torch.Tensor, pow2: bool, group_dim: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _per_group_triton(x, offs, pow2, group_dim=0)
+    return _per_group_triton(x, offs, pow2, group_dim)
 
 
-def _rowwise_direct_triton(
-    x: torch.Tensor, offs: torch.Tensor, pow2: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return _per_group_triton(x, offs, pow2, group_dim=1)
-
-
-@torch.library.custom_op("mxfp8_a2a::per_group_colwise", mutates_args=())
-def _colwise_op(
-    x: torch.Tensor, offs: torch.Tensor, pow2: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return _colwise_triton(x, offs, pow2)
-
-
-@_colwise_op.register_fake
-def _(x, offs, pow2):
-    return x.new_empty(x.shape, dtype=torch.float8_e4m3fn), x.new_empty(
-        (offs.numel(), x.shape[1]), dtype=torch.float32
-    )
-
-
-@torch.library.custom_op("mxfp8_a2a::per_group_rowwise_direct", mutates_args=())
-def _rowwise_op(
-    x: torch.Tensor, offs: torch.Tensor, pow2: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return _rowwise_direct_triton(x, offs, pow2)
-
-
-@_rowwise_op.register_fake
-def _(x, offs, pow2):
-    return x.new_empty(x.shape, dtype=torch.float8_e4m3fn), x.new_empty(
-        (offs.numel(), x.shape[0]), dtype=torch.float32
-    )
+@_per_group_op.register_fake
+def _(x, offs, pow2, group_dim):
+    scales = x.new_empty((offs.numel(), x.shape[1 - group_dim]), dtype=torch.float32)
+    return x.new_empty(x.shape, dtype=torch.float8_e4m3fn), scales
 
 
 # ---------------------------------------------------------------------------- public
@@ -355,7 +328,7 @@ def per_group_colwise_scales(
     """
     if _check(x, offs, 0, backend, validate) == "torch":
         return per_group_colwise_reference(x, offs, round_scales_to_power_of_2)
-    return _colwise_op(x, offs, round_scales_to_power_of_2)
+    return _per_group_op(x, offs, round_scales_to_power_of_2, 0)
 
 
 def per_group_rowwise_scales(
@@ -386,6 +359,6 @@ def per_group_rowwise_scales(
     if _check(x, offs, 1, backend, validate) == "torch":
         return per_group_rowwise_reference(x, offs, round_scales_to_power_of_2)
     if method == "transpose":
-        data, scales = _colwise_op(x.t().contiguous(), offs, round_scales_to_power_of_2)
+        data, scales = _per_group_op(x.t().contiguous(), offs, round_scales_to_power_of_2, 0)
         return data.t(), scales
-    return _rowwise_op(x, offs, round_scales_to_power_of_2)
+    return _per_group_op(x, offs, round_scales_to_power_of_2, 1)

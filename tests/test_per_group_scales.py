@@ -119,3 +119,22 @@ def test_unvalidated_bad_offsets_stay_in_bounds(device):
             assert data.shape == arg.shape and scales.shape == (len(ends), 24)
     if device == "cuda":
         torch.cuda.synchronize()  # an out-of-bounds access would surface here
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_torch_compile_fullgraph(device):
+    """The custom op traces (fake shapes match) and gives the eager result."""
+    g = fresh_generator()
+    x = _data((48, 40), torch.bfloat16, device, g)
+    offs = torch.tensor([16, 16, 48], dtype=torch.int32, device=device)
+
+    def both(x, offs):
+        col = per_group_colwise_scales(x, offs, backend="triton", validate=False)
+        row = per_group_rowwise_scales(x.t(), offs, backend="triton", validate=False)
+        return col, row
+
+    backend = "inductor" if device == "cuda" else "aot_eager"
+    got = torch.compile(both, fullgraph=True, backend=backend)(x, offs)
+    want = both(x, offs)
+    _same(got[0], want[0])
+    _same(got[1], want[1])
