@@ -81,7 +81,7 @@ def per_group_rowwise_reference(
 # read from memory once: the tile spans the whole group along the group axis (the power of
 # two >= the group's extent, at least MIN_GROUP: its "size class") and TILE / that along
 # the other axis. Groups longer than the largest class fall to a loop over the group in
-# [LOOP_OTHER, LOOP_GROUP] tiles (amax pass, then a second pass, mostly from cache).
+# [LOOP_OTHER, LOOP_GROUP] tiles: an amax pass, then a second read for the data.
 
 
 @triton.jit
