@@ -3,9 +3,11 @@
     python benchmarks/bench_per_group_scales.py [--json out.json]
 
 x (16640, 8192) bf16; per_group_rowwise_scales with groups along dim 1 (random jagged end
-offsets, multiples of 16), and per_group_colwise_scales with groups along dim 0. GB/s are
-effective: the fewest bytes any method must move (x read once, data and scales written
-once) over its time, so methods compare directly. Needs a CUDA GPU.
+offsets, multiples of 16), and per_group_colwise_scales with groups along dim 0. "GB/s":
+effective, the fewest bytes any method must move (x read once, data and scales written
+once) over its time, so methods compare directly. "raw GB/s": the bytes each method reads
+and writes (x read twice for groups too long for one tile, the transpose's copy
+included). Needs a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 from common import do_bench_ms, versions, write_json
 from tabulate import tabulate
 
-from mxfp8_a2a import per_group_colwise_scales, per_group_rowwise_scales
+from mxfp8_a2a import _config, per_group_colwise_scales, per_group_rowwise_scales
 from mxfp8_a2a.per_group_scales import per_group_colwise_reference, per_group_rowwise_reference
 
 N, M = 16640, 8192
@@ -27,6 +29,20 @@ FAST = dict(validate=False)  # no host read of offs: the kernels alone
 def jagged_offsets(total: int, n_groups: int, g: torch.Generator) -> torch.Tensor:
     cuts = torch.randperm(total // 16 - 1, generator=g)[: n_groups - 1].add(1).mul(16).sort().values
     return torch.cat([cuts, torch.tensor([total])]).to(torch.int32).cuda()
+
+
+def kernel_bytes(ends: list[int], n_other: int, group_dim: int, elem: int = 2) -> int:
+    """Bytes the per-group kernel moves: each group's x once (twice when it is longer than
+    the largest size class of the GPU tiling), its e4m3 data and fp32 scales once."""
+    tiling = _config.per_group_tiling(group_dim, interpreted=False)
+    longest = tiling.min_group << (tiling.n_classes - 1)
+    align = 16 if group_dim == 1 else 1  # rowwise tiles start on 16-element boundaries
+    total, start = 0, 0
+    for end in ends:
+        reads = 1 if end - start // align * align <= longest else 2
+        total += n_other * ((end - start) * (reads * elem + 1) + 4)
+        start = end
+    return total
 
 
 def main() -> None:
@@ -58,6 +74,9 @@ def main() -> None:
         t_col = do_bench_ms(lambda o=offs0: per_group_colwise_scales(x, o, **FAST))
         t_col_checked = do_bench_ms(lambda o=offs0: per_group_colwise_scales(x, o))
         minimal = 3 * elems + 4 * n_groups * N
+        raw_direct = kernel_bytes(offs.tolist(), N, group_dim=1)
+        raw_tr = 4 * elems + kernel_bytes(offs.tolist(), N, group_dim=0)  # copy, then colwise
+        raw_col = kernel_bytes(offs0.tolist(), M, group_dim=0)
         rows.append(
             {
                 "n_groups": n_groups,
@@ -66,12 +85,15 @@ def main() -> None:
                 "transpose us": t_tr * 1e3,
                 "direct GB/s": minimal / t_direct / 1e6,
                 "transpose GB/s": minimal / t_tr / 1e6,
+                "direct raw GB/s": raw_direct / t_direct / 1e6,
+                "transpose raw GB/s": raw_tr / t_tr / 1e6,
                 "direct speedup": t_loop / t_direct,
                 "transpose speedup": t_loop / t_tr,
                 "validated us": t_checked * 1e3,
                 "colwise loop us": t_col_loop * 1e3,
                 "colwise us": t_col * 1e3,
                 "colwise GB/s": minimal / t_col / 1e6,
+                "colwise raw GB/s": raw_col / t_col / 1e6,
                 "colwise speedup": t_col_loop / t_col,
                 "colwise validated us": t_col_checked * 1e3,
             }
@@ -80,7 +102,8 @@ def main() -> None:
     print(" ".join(f"{k}={v}" for k, v in info.items()), f"shape={N}x{M} bf16")
     print(tabulate(rows, headers="keys", floatfmt=".2f"))
     print(
-        "GB/s: effective, 3 bytes per element + 4 per scale over each method's time. "
+        "GB/s: effective, 3 bytes per element + 4 per scale over each method's time; raw "
+        "GB/s: the bytes each method moves. "
         "direct/transpose/colwise: validate=False (no host sync); validated: the defaults "
         "(method auto = direct, validate=True: one host read of offs per call)."
     )
