@@ -13,10 +13,10 @@ from mxfp8_a2a.moe import ExpertParallelMoE, init_moe_weights, moe_reference
 HIDDEN, FFN, TOKENS = 64, 32, 12
 
 
-def _inputs(src: int, seed: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
+def _inputs(src: int, seed: int, dev, tokens: int = TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed * 100 + src)
-    return torch.randn(TOKENS, HIDDEN, generator=g).to(dev), torch.randn(
-        TOKENS, HIDDEN, generator=g
+    return torch.randn(tokens, HIDDEN, generator=g).to(dev), torch.randn(
+        tokens, HIDDEN, generator=g
     ).to(dev)
 
 
@@ -68,13 +68,14 @@ def matches_reference(rank, world, backend, seed, top_k, routing):
     torch.testing.assert_close(layer.w2.grad, ref_w["w2"].grad[local], **tol)
 
 
-def mxfp8_vs_bf16(rank, world, backend, seed, top_k, routing):
-    """SQNR of the MXFP8-exchange layer against the plain-exchange layer: output, grad x."""
+def mxfp8_vs_bf16(rank, world, backend, seed, top_k, routing, tokens):
+    """SQNR of the MXFP8-exchange layer against the plain-exchange layer: output, grad x,
+    over ``tokens`` tokens per rank."""
     dev = device_for(backend)
     results = []
     for exchange in ("bf16", "mxfp8"):
         layer = _layer(world, dev, seed, top_k, exchange, routing, 2 * world)
-        x, g = _inputs(rank, seed, dev)
+        x, g = _inputs(rank, seed, dev, tokens)
         x = x.to(torch.bfloat16).requires_grad_(True)
         layer = layer.to(torch.bfloat16)
         out = layer(x)
