@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Profile one launch of the per-group scaling kernel with Nsight Compute, if the machine
+# has it: throughput vs peak (DRAM, SM issue), warp stall reasons, registers, occupancy.
+#
+#   scripts/profile_per_group.sh OUTDIR [N_GROUPS] [rowwise|colwise]
+#
+# x (16640, 8192) bf16 with N_GROUPS (default 1) jagged groups, as in the benchmark.
+# Writes OUTDIR/ncu_<layout>_<groups>.txt (the details page); prints its headline lines.
+set -uo pipefail
+out=${1:?usage: scripts/profile_per_group.sh OUTDIR [N_GROUPS] [rowwise|colwise]}
+groups=${2:-1}
+layout=${3:-rowwise}
+here=$(cd "$(dirname "$0")/.." && pwd)
+export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"
+mkdir -p "$out"
+ncu_bin=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+if [[ -z "$ncu_bin" ]]; then
+  echo "no ncu on this machine" >&2
+  exit 1
+fi
+prog=$(cat <<PY
+import sys, torch
+sys.path.insert(0, "$here/benchmarks")
+from bench_per_group_scales import N, M, jagged_offsets
+from mxfp8_a2a import per_group_colwise_scales, per_group_rowwise_scales
+g = torch.Generator().manual_seed(0)
+x = torch.randn(N, M, dtype=torch.bfloat16).cuda()
+if "$layout" == "rowwise":
+    offs = jagged_offsets(M, $groups, g)
+    fn = lambda: per_group_rowwise_scales(x, offs, method="direct", validate=False)
+else:
+    offs = jagged_offsets(N, $groups, g)
+    fn = lambda: per_group_colwise_scales(x, offs, validate=False)
+for _ in range(3):
+    fn()
+torch.cuda.synchronize()
+PY
+)
+report="$out/ncu_${layout}_${groups}"
+# Profile the third launch: the first compiles the kernel, the second warms the caches.
+"$ncu_bin" --kernel-name regex:_per_group_kernel --launch-skip 2 --launch-count 1 \
+  --set full -f -o "$report" python3 -c "$prog" > "$report.log" 2>&1 || tail -20 "$report.log"
+"$ncu_bin" --import "$report.ncu-rep" --page details > "$report.txt" 2>&1
+grep -E "Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Issue Slots Busy|Registers Per Thread|Achieved Occupancy|Theoretical Occupancy|Executed Ipc Active" "$report.txt" | head -20
