@@ -8,19 +8,26 @@ import torch.distributed as dist
 from a2a_workers import device_for
 from helpers import sqnr_db
 
-from mxfp8_a2a.moe import ExpertParallelMoE, init_moe_weights, moe_reference
+from mxfp8_a2a.moe import ExpertParallelMoE, init_moe_weights, moe_reference, route
 
 HIDDEN, FFN, TOKENS = 64, 32, 12
 
 
-def _inputs(src: int, seed: int, dev, tokens: int = TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
+def _inputs(
+    src: int, seed: int, dev, routing: str, tokens: int = TOKENS
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens of rank ``src`` and the output gradient. For the biased routings the features
+    are made positive, so that the router bias pushes every token the same way."""
     g = torch.Generator().manual_seed(seed * 100 + src)
-    return torch.randn(tokens, HIDDEN, generator=g).to(dev), torch.randn(
-        tokens, HIDDEN, generator=g
-    ).to(dev)
+    x = torch.randn(tokens, HIDDEN, generator=g)
+    if routing != "normal":
+        x = x.abs()
+    return x.to(dev), torch.randn(tokens, HIDDEN, generator=g).to(dev)
 
 
 def _bias_router(router: torch.Tensor, routing: str) -> None:
+    # Logits are x @ router (no bias term); with positive features, +-50 on a column moves
+    # every token's logit for that expert by 50 * sum(x), about +-2500.
     if routing == "one_expert":  # every token's first choice is expert 0
         router[:, 0] += 50.0
     elif routing == "empty_experts":  # the last two experts never win
@@ -41,7 +48,12 @@ def matches_reference(rank, world, backend, seed, top_k, routing):
     dev = device_for(backend)
     experts = 2 * world
     layer = _layer(world, dev, seed, top_k, "bf16", routing, experts)
-    x, g = _inputs(rank, seed, dev)
+    x, g = _inputs(rank, seed, dev, routing)
+    _, ids = route(x @ layer.router.detach(), top_k)
+    if routing == "one_expert":
+        assert (ids[:, 0] == 0).all()
+    elif routing == "empty_experts":
+        assert (ids < experts - 2).all()
     x.requires_grad_(True)
     out = layer(x)
     (out * g).sum().backward()
@@ -54,7 +66,7 @@ def matches_reference(rank, world, backend, seed, top_k, routing):
     }
     with torch.no_grad():
         _bias_router(ref_w["router"], routing)
-    xs, gs = zip(*(_inputs(r, seed, dev) for r in range(world)), strict=True)
+    xs, gs = zip(*(_inputs(r, seed, dev, routing) for r in range(world)), strict=True)
     x_all = torch.cat(xs).requires_grad_(True)
     ref = moe_reference(x_all, ref_w, top_k)
     (ref * torch.cat(gs)).sum().backward()
@@ -75,7 +87,7 @@ def mxfp8_vs_bf16(rank, world, backend, seed, top_k, routing, tokens):
     results = []
     for exchange in ("bf16", "mxfp8"):
         layer = _layer(world, dev, seed, top_k, exchange, routing, 2 * world)
-        x, g = _inputs(rank, seed, dev, tokens)
+        x, g = _inputs(rank, seed, dev, routing, tokens)
         x = x.to(torch.bfloat16).requires_grad_(True)
         layer = layer.to(torch.bfloat16)
         out = layer(x)

@@ -27,15 +27,9 @@ def test_layer_matches_single_process_reference(backend, world):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_mxfp8_exchange_close_to_bf16(backend):
-    # Over 256 tokens per rank the SQNR of the output and of x's gradient sit near 28 and
-    # 27 dB. Except x's gradient with top-2 "one_expert": the +50 router weights turn small
-    # differences between second-choice logits into a large term of x's gradient through
-    # the router, so the figure swings with the seed (21.7-41 dB over 8 seeds; 27.1-27.6 dB
-    # with the router's input detached). The output is checked there.
+    # 256 tokens per rank: over 12 the figure for x's gradient was too noisy for the floor.
     for top_k, routing in CASES:
         for out_db, grad_db in run_distributed(
             mxfp8_vs_bf16, 2, backend, _seed(), top_k, routing, 256, backend=backend
         ):
-            assert out_db >= 25.0, (top_k, routing, out_db)
-            if (top_k, routing) != (2, "one_expert"):
-                assert grad_db >= 25.0, (top_k, routing, grad_db)
+            assert out_db >= 25.0 and grad_db >= 25.0, (top_k, routing, out_db, grad_db)
