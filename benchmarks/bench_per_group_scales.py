@@ -74,8 +74,9 @@ def main() -> None:
         t_col = do_bench_ms(lambda o=offs0: per_group_colwise_scales(x, o, **FAST))
         t_col_checked = do_bench_ms(lambda o=offs0: per_group_colwise_scales(x, o))
         minimal = 3 * elems + 4 * n_groups * N
-        raw_direct = kernel_bytes(offs.tolist(), N, group_dim=1)
-        raw_tr = 4 * elems + kernel_bytes(offs.tolist(), N, group_dim=0)  # copy, then colwise
+        ends = offs.tolist()
+        raw_direct = kernel_bytes(ends, N, group_dim=1)
+        raw_tr = 4 * elems + kernel_bytes(ends, N, group_dim=0)  # copy, then colwise
         raw_col = kernel_bytes(offs0.tolist(), M, group_dim=0)
         rows.append(
             {

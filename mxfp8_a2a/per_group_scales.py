@@ -18,11 +18,10 @@ import triton
 import triton.language as tl
 
 from . import _config
-from ._common import interpreted
+from ._common import resolve_backend
 from ._jit_math import fp32_to_e4m3_bits, to_fp32
 
 EPS = 1e-12
-_BACKENDS = ("auto", "triton", "torch")
 _METHODS = ("auto", "direct", "transpose")
 
 # ---------------------------------------------------------------------------- reference
@@ -281,15 +280,7 @@ def _check(x: torch.Tensor, offs: torch.Tensor, dim: int, backend: str, validate
         raise ValueError(f"offs ({offs.device}) must be on x's device ({x.device})")
     if validate:
         _check_values(offs, x.shape[dim], dim)
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        return "triton" if x.device.type == "cuda" else "torch"
-    if backend == "triton" and x.device.type == "cpu" and not interpreted(_per_group_kernel):
-        raise RuntimeError(
-            "backend='triton' on CPU tensors needs TRITON_INTERPRET=1 set before import"
-        )
-    return backend
+    return resolve_backend(backend, x.device, _per_group_kernel)
 
 
 def _check_values(offs: torch.Tensor, extent: int, dim: int) -> None:
