@@ -7,7 +7,9 @@ Public API:
     per_group_colwise_scales, per_group_rowwise_scales -- FP8 scaling of jagged tensors
     quantize, dequantize             -- MXFP8 casts (e4m3 + one e8m0 scale per 32 values)
     quantize_packed, dequantize_packed, pack, unpack, packed_row_bytes -- the wire layout
-    quantize_reference, dequantize_reference -- plain-torch definitions of the casts
+    quantize_dequantize              -- the MXFP8 round trip in one pass
+    quantize_reference, dequantize_reference, quantize_dequantize_reference -- plain-torch
+                                       definitions of the casts
 """
 
 from .a2a import compute_output_splits, to_mxfp8_a2a_dequant
@@ -16,6 +18,7 @@ from .moe import ExpertParallelMoE, combine, dispatch
 from .packing import pack, packed_row_bytes, unpack
 from .per_group_scales import per_group_colwise_scales, per_group_rowwise_scales
 from .quantize import quantize, quantize_packed, quantize_reference
+from .roundtrip import quantize_dequantize, quantize_dequantize_reference
 
 __all__ = [
     "ExpertParallelMoE",
@@ -31,6 +34,8 @@ __all__ = [
     "per_group_rowwise_scales",
     "packed_row_bytes",
     "quantize",
+    "quantize_dequantize",
+    "quantize_dequantize_reference",
     "quantize_packed",
     "quantize_reference",
     "unpack",

@@ -12,10 +12,17 @@ QUANTIZE_BLOCK_G = 256
 QUANTIZE_NUM_WARPS = 4
 DEQUANTIZE_BLOCK_G = 256
 DEQUANTIZE_NUM_WARPS = 4
+# The round trip reads and writes like the two casts; their values, not tuned on their own.
+ROUNDTRIP_BLOCK_G = 256
+ROUNDTRIP_NUM_WARPS = 4
 
 INTERPRET_BLOCK_G = 16
 
-# Pipelined exchange (mxfp8_a2a/_pipeline.py). Rows a (sender, receiver) pair exchanges are
+# The exchange (mxfp8_a2a/_exchange.py). Rows a rank sends itself skip the wire (one
+# round-trip kernel, overlapped with the collective) from this many elements up; below it
+# the extra launch (~15-20 us of host time) costs more than the GPU time it saves.
+KEEP_LOCAL_MIN_ELEMENTS = 4 << 20
+# Pipelined exchange. Rows a (sender, receiver) pair exchanges are
 # split into chunks of about PIPELINE_CHUNK_BYTES wire bytes, at most PIPELINE_MAX_CHUNKS;
 # while chunks are in flight the cast kernels keep PIPELINE_RESERVED_SMS multiprocessors
 # free for the communication kernels. First values, to be set from bench_a2a sweeps.

@@ -23,17 +23,10 @@ def block_tile(tile, BLOCK_G: tl.constexpr, n_groups, groups_per_row):
 
 
 @triton.jit
-def map_rows(row, seg_ptr, n_seg):
-    """Map chunk-local rows to rows of the full tensor through a segment table.
-
-    seg_ptr: int32 [2 * n_seg]; entries [0, n_seg) are the first chunk-local row of each
-    segment (non-decreasing, starting at 0), entries [n_seg, 2 * n_seg) the full-tensor row
-    where each segment starts. Empty segments are allowed.
-    """
-    seg = tl.zeros_like(row)
-    for j in range(1, n_seg):
-        seg += (row >= tl.load(seg_ptr + j)).to(row.dtype)
-    return tl.load(seg_ptr + n_seg + seg) + row - tl.load(seg_ptr + seg)
+def skip_gap(row, gap_at, gap_len):
+    """Row ``row`` of a tensor with rows [gap_at, gap_at + gap_len) of another cut out: the
+    other tensor's row. gap_len = 0 maps every row to itself."""
+    return row + (row >= gap_at).to(row.dtype) * gap_len
 
 
 @triton.jit
@@ -133,3 +126,45 @@ def fp32_to_bf16(y, SOFT: tl.constexpr):
         return (r & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
     else:
         return y.to(tl.bfloat16)
+
+
+@triton.jit
+def mx_quantize_blocks(x, RCEIL: tl.constexpr, HW_E8M0: tl.constexpr, SOFT: tl.constexpr):
+    """MXFP8-quantize fp32 ``x`` [BLOCK_G, 32], one block of 32 per row.
+
+    Returns (e4m3 bits uint8 [BLOCK_G, 32], scale byte int32 [BLOCK_G]), bit for bit what
+    quantize_reference gives.
+    """
+    amax_bits = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
+    if HW_E8M0 and RCEIL:
+        b = e8m0_rceil_hw(amax_bits.to(tl.float32, bitcast=True))
+        b = tl.where(amax_bits > 0x7F800000, 255, b)
+    else:
+        b = e8m0_from_amax_bits(amax_bits, RCEIL)
+    # x * 2^(127 - b) as two exact power-of-two multiplies, each factor a normal fp32
+    e = 127 - b
+    e_lo = e >> 1
+    y = x * pow2(e_lo)[:, None] * pow2(e - e_lo)[:, None]
+    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+    y = tl.where((b == 255)[:, None], float("nan"), y)
+    return fp32_to_e4m3_bits(y, SOFT), b
+
+
+@triton.jit
+def mx_dequantize_blocks(u, b, SOFT: tl.constexpr):
+    """fp32 [BLOCK_G, 32] from e4m3 bits ``u`` (uint8 [BLOCK_G, 32]) and scale bytes ``b``
+    (int32 [BLOCK_G]): e4m3 * 2^(b - 127), NaN where b == 255."""
+    # two exact power-of-two multiplies, each factor a normal fp32
+    e = b - 127
+    e_lo = e >> 1
+    y = e4m3_bits_to_fp32(u, SOFT) * pow2(e_lo)[:, None] * pow2(e - e_lo)[:, None]
+    return tl.where((b == 255)[:, None], float("nan"), y)
+
+
+@triton.jit
+def store_float(ptrs, y, mask, SOFT: tl.constexpr):
+    """Store fp32 ``y`` to bf16 (rounded to nearest even) or fp32 pointers."""
+    if ptrs.dtype.element_ty == tl.bfloat16:
+        tl.store(ptrs, fp32_to_bf16(y, SOFT), mask=mask)
+    else:
+        tl.store(ptrs, y, mask=mask)

@@ -1,7 +1,8 @@
 """The MXFP8 all-to-all: quantize, one exchange of packed rows, dequantize; and its backward.
 
-Layers: ``_exchange`` (quantize_packed -> all_to_all_single of uint8 rows ->
-dequantize_packed) -> ``_MXFP8AllToAll`` (autograd) -> ``to_mxfp8_a2a_dequant``.
+Layers: ``_exchange`` (eager: _exchange.py's single-collective or pipelined path; traced by
+torch.compile: quantize_packed -> functional all_to_all_single -> dequantize_packed) ->
+``_MXFP8AllToAll`` (autograd) -> ``to_mxfp8_a2a_dequant``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from ._common import check_float_input, check_scaling_mode
-from ._pipeline import exchange_pipelined
+from ._exchange import exchange_pipelined, exchange_single
 from .dequantize import dequantize_packed
 from .quantize import quantize_packed
 
@@ -76,7 +77,7 @@ def compute_output_splits(
 
 
 def _check_splits(
-    x: torch.Tensor, output_splits: list[int], input_splits: list[int], world: int
+    x: torch.Tensor, output_splits: list[int], input_splits: list[int], world: int, rank: int
 ) -> None:
     for name, s in (("input_splits", input_splits), ("output_splits", output_splits)):
         if len(s) != world:
@@ -90,6 +91,11 @@ def _check_splits(
         raise ValueError(
             f"input_splits sum to {sum(input_splits)} but x has {x.shape[0]} rows; they must "
             "sum to x.shape[0]"
+        )
+    if input_splits[rank] != output_splits[rank]:
+        raise ValueError(
+            f"input_splits[{rank}] = {input_splits[rank]} rows to itself but output_splits"
+            f"[{rank}] = {output_splits[rank]} from itself on rank {rank}; they must agree"
         )
 
 
@@ -133,22 +139,16 @@ def _exchange(
     scaling_mode: str,
     chunks: int | None,
 ) -> torch.Tensor:
-    """chunks == 1 (or under torch.compile): quantize_packed -> one all_to_all_single of
-    uint8 rows -> dequantize_packed. Otherwise the pipelined exchange of _pipeline.py."""
-    if chunks is None and x.device.type != "cuda":
-        chunks = 1  # nothing to overlap without streams; every rank of a gloo group is on CPU
-    if chunks != 1 and not torch.compiler.is_compiling():
+    """Eager: chunks == 1 -> exchange_single, else exchange_pipelined (None means 1 on CPU).
+    Under torch.compile: quantize_packed -> one functional all_to_all_single of uint8 rows ->
+    dequantize_packed (the kept rows go through the wire too; same results)."""
+    if not torch.compiler.is_compiling():
+        if chunks == 1 or (chunks is None and x.device.type != "cuda"):
+            return exchange_single(x, output_splits, input_splits, group, scaling_mode)
         return exchange_pipelined(x, output_splits, input_splits, group, scaling_mode, chunks)
     packed = quantize_packed(x, scaling_mode=scaling_mode)
-    if torch.compiler.is_compiling():
-        recv = funcol.all_to_all_single(
-            packed, output_splits, input_splits, group or dist.group.WORLD
-        )
-        recv = funcol.wait_tensor(recv)
-    else:
-        recv = packed.new_empty((sum(output_splits), packed.shape[1]))
-        dist.all_to_all_single(recv, packed, output_splits, input_splits, group=group)
-    return dequantize_packed(recv, out_dtype=x.dtype)
+    recv = funcol.all_to_all_single(packed, output_splits, input_splits, group or dist.group.WORLD)
+    return dequantize_packed(funcol.wait_tensor(recv), out_dtype=x.dtype)
 
 
 class _MXFP8AllToAll(torch.autograd.Function):
@@ -186,14 +186,15 @@ def to_mxfp8_a2a_dequant(
         input_splits: rows sent to each rank; must sum to tokens.
         group: process group (default: the world).
         scaling_mode: "rceil" (default) or "floor".
-        chunks: 1 (default) sends everything with one all_to_all_single of packed rows (also
-            what torch.compile traces). None or an int > 1 pipelines the exchange: the rows
-            of each (sender, receiver) pair are cut into chunks (None: about 64 MiB each on
-            the wire, at most 8; an int: at most that many, the same on every rank), each
-            step goes out as one batch of isend/irecv while the next step is quantized and
-            the previous one dequantized on a side stream; rows a rank sends to itself stay
-            local. On 2x H200 over NVLink the pipelined path is slower than the default
-            (BENCHMARKS.md), so it is opt-in. On CPU, None means 1.
+        chunks: 1 (default) sends the outgoing rows with one all_to_all_single of packed
+            rows. None or an int > 1 pipelines the exchange: the rows of each (sender,
+            receiver) pair are cut into chunks (None: about PIPELINE_CHUNK_BYTES of wire
+            bytes each, at most PIPELINE_MAX_CHUNKS, see _config.py; an int: at most that
+            many, the same on every rank); one chunk is quantized and sent while the one
+            before is dequantized on a side stream. Either way the rows a rank sends to
+            itself skip the wire (on CUDA from KEEP_LOCAL_MIN_ELEMENTS elements up): their
+            round trip runs while the others are in flight. On CPU, None means 1;
+            torch.compile traces one collective of every row.
         validate: check, with one all_gather of 2 * group-size + 1 int64 values and a host
             sync, that the splits agree across ranks; every rank then raises the same error
             instead of hanging. Also on when the environment variable MXFP8_A2A_VALIDATE=1.
@@ -219,7 +220,7 @@ def to_mxfp8_a2a_dequant(
             raise ValueError(f"x must be a CPU (gloo) or CUDA (NCCL) tensor, got {x.device}")
         out_splits = _splits_list(output_splits, "output_splits", x.device)
         in_splits = _splits_list(input_splits, "input_splits", x.device)
-        _check_splits(x, out_splits, in_splits, world)
+        _check_splits(x, out_splits, in_splits, world, dist.get_rank(group))
     except (TypeError, ValueError) as e:
         error = e
     if validate or os.environ.get(VALIDATE_ENV, "0") == "1":

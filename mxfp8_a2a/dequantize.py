@@ -13,7 +13,8 @@ import triton.language as tl
 
 from . import _config
 from ._common import BLOCK, check_out_dtype, resolve_backend
-from ._jit_math import block_tile, e4m3_bits_to_fp32, fp32_to_bf16, map_rows, pow2
+from ._fast_launch import launch
+from ._jit_math import block_tile, mx_dequantize_blocks, skip_gap, store_float
 from .packing import k_from_packed_row_bytes, unpack
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -70,41 +71,29 @@ def _dequantize_kernel(
     data_ptr,  # uint8, element (m, k) at m * stride_dm + k
     scale_ptr,  # uint8, block (m, g) at m * stride_sm + g
     out_ptr,  # bf16/fp32, element (m, k) at m * stride_om + k
-    seg_ptr,  # int32 segment table (ROW_MAP): input row -> row of out
-    n_seg,
     n_groups,  # input rows * K // 32
     groups_per_row,  # K // 32
+    gap_at,  # input row m lands in row skip_gap(m, gap_at, gap_len) of out
+    gap_len,
     stride_dm,
     stride_sm,
     stride_om,
     BLOCK_G: tl.constexpr,
     SOFT: tl.constexpr,
     INT64: tl.constexpr,
-    ROW_MAP: tl.constexpr,  # scatter output rows through seg_ptr
 ):
     n_tiles = tl.cdiv(n_groups, BLOCK_G)
     for tile in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
         gmask, row, cg = block_tile(tile, BLOCK_G, n_groups, groups_per_row)
-        if ROW_MAP:
-            out_row = map_rows(row, seg_ptr, n_seg)
-        else:
-            out_row = row
+        out_row = skip_gap(row, gap_at, gap_len)
         if INT64:
             row = row.to(tl.int64)
             out_row = out_row.to(tl.int64)
         col = cg[:, None] * 32 + tl.arange(0, 32)[None, :]
         u = tl.load(data_ptr + row[:, None] * stride_dm + col, mask=gmask[:, None])
         b = tl.load(scale_ptr + row * stride_sm + cg, mask=gmask).to(tl.int32)
-        # e4m3 * 2^(b - 127) as two exact power-of-two multiplies, each factor a normal fp32
-        e = b - 127
-        e_lo = e >> 1
-        y = e4m3_bits_to_fp32(u, SOFT) * pow2(e_lo)[:, None] * pow2(e - e_lo)[:, None]
-        y = tl.where((b == 255)[:, None], float("nan"), y)
-        out_ptrs = out_ptr + out_row[:, None] * stride_om + col
-        if out_ptr.dtype.element_ty == tl.bfloat16:
-            tl.store(out_ptrs, fp32_to_bf16(y, SOFT), mask=gmask[:, None])
-        else:
-            tl.store(out_ptrs, y, mask=gmask[:, None])
+        y = mx_dequantize_blocks(u, b, SOFT)
+        store_float(out_ptr + out_row[:, None] * stride_om + col, y, gmask[:, None], SOFT)
 
 
 def _launch(
@@ -113,43 +102,31 @@ def _launch(
     stride_dm: int,
     stride_sm: int,
     out: torch.Tensor,
-    rows: int | None = None,
-    segments: torch.Tensor | None = None,
+    gap: tuple[int, int] = (0, 0),
     max_programs: int | None = None,
 ) -> None:
-    """Dequantize ``rows`` rows (default: all of out) of uint8 data/scales into out [M, K].
+    """Dequantize uint8 data/scales into out [M, K].
 
-    With ``segments`` (int32 [2 * n_seg], see map_rows) input row r lands in row map(r) of
-    out. max_programs caps the grid (programs loop over tiles).
+    gap: (at, n) leaves rows [at, at + n) of out untouched: M - n input rows, input row m
+    landing in out row m (m < at) or m + n. max_programs caps the grid (programs loop over
+    tiles).
     """
     m, k = out.shape
-    rows = m if rows is None else rows
+    rows = m - gap[1]
     n_groups = rows * (k // BLOCK)
-    if n_groups == 0:
+    if n_groups <= 0:
         return
     if n_groups >= 2**31:
         raise ValueError(f"data has {n_groups} blocks of 32; at most 2**31 - 1 are supported")
     soft = out.device.type == "cpu"
     block_g = _config.INTERPRET_BLOCK_G if soft else _config.DEQUANTIZE_BLOCK_G
-    int64 = max((rows - 1) * stride_dm + k + k // BLOCK, m * k) >= 2**31
+    int64 = max((rows - 1) * stride_dm + k + k // BLOCK, m * out.stride(0)) >= 2**31
     n_tiles = triton.cdiv(n_groups, block_g)
-    _dequantize_kernel[(min(n_tiles, max_programs or n_tiles),)](
-        data,
-        scales,
-        out,
-        segments if segments is not None else data,
-        0 if segments is None else segments.numel() // 2,
-        n_groups,
-        k // BLOCK,
-        stride_dm,
-        stride_sm,
-        out.stride(0),
-        BLOCK_G=block_g,
-        SOFT=soft,
-        INT64=int64,
-        ROW_MAP=segments is not None,
-        num_warps=_config.DEQUANTIZE_NUM_WARPS,
-    )
+    args = (data, scales, out, n_groups, k // BLOCK, gap[0], gap[1])
+    args += (stride_dm, stride_sm, out.stride(0))
+    consts = {"BLOCK_G": block_g, "SOFT": soft, "INT64": int64}
+    grid = min(n_tiles, max_programs or n_tiles)
+    launch(_dequantize_kernel, grid, args, consts, _config.DEQUANTIZE_NUM_WARPS)
 
 
 # ---------------------------------------------------------------------------- custom ops

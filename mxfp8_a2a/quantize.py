@@ -15,15 +15,8 @@ import triton.language as tl
 
 from . import _config
 from ._common import BLOCK, E4M3_MAX, check_float_input, check_scaling_mode, resolve_backend
-from ._jit_math import (
-    block_tile,
-    e8m0_from_amax_bits,
-    e8m0_rceil_hw,
-    fp32_to_e4m3_bits,
-    map_rows,
-    pow2,
-    to_fp32,
-)
+from ._fast_launch import launch
+from ._jit_math import block_tile, mx_quantize_blocks, skip_gap, to_fp32
 from .packing import pack, packed_row_bytes
 
 # ---------------------------------------------------------------------------- reference
@@ -70,10 +63,10 @@ def _quantize_kernel(
     x_ptr,  # bf16/fp32 [M, K], strides (stride_xm, stride_xk)
     data_ptr,  # uint8, element (m, k) at m * stride_dm + k
     scale_ptr,  # uint8, block (m, g) at m * stride_sm + g
-    seg_ptr,  # int32 segment table (ROW_MAP): output row -> row of x
-    n_seg,
     n_groups,  # output rows * K // 32
     groups_per_row,  # K // 32
+    gap_at,  # output row m reads row skip_gap(m, gap_at, gap_len) of x
+    gap_len,
     stride_xm,
     stride_xk,
     stride_dm,
@@ -83,34 +76,17 @@ def _quantize_kernel(
     SOFT: tl.constexpr,  # software float casts (interpreter)
     HW_E8M0: tl.constexpr,  # sm_100+: hardware e8m0 conversion
     INT64: tl.constexpr,  # offsets may pass 2**31
-    ROW_MAP: tl.constexpr,  # gather input rows through seg_ptr
 ):
     n_tiles = tl.cdiv(n_groups, BLOCK_G)
     for tile in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
         gmask, row, cg = block_tile(tile, BLOCK_G, n_groups, groups_per_row)
-        if ROW_MAP:
-            in_row = map_rows(row, seg_ptr, n_seg)
-        else:
-            in_row = row
+        in_row = skip_gap(row, gap_at, gap_len)
         if INT64:
             row = row.to(tl.int64)
             in_row = in_row.to(tl.int64)
         col = cg[:, None] * 32 + tl.arange(0, 32)[None, :]
         x = tl.load(x_ptr + in_row[:, None] * stride_xm + col * stride_xk, mask=gmask[:, None])
-        x = to_fp32(x, SOFT)
-        amax_bits = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
-        if HW_E8M0 and RCEIL:
-            b = e8m0_rceil_hw(amax_bits.to(tl.float32, bitcast=True))
-            b = tl.where(amax_bits > 0x7F800000, 255, b)
-        else:
-            b = e8m0_from_amax_bits(amax_bits, RCEIL)
-        # x * 2^(127 - b) as two exact power-of-two multiplies, each factor a normal fp32
-        e = 127 - b
-        e_lo = e >> 1
-        y = x * pow2(e_lo)[:, None] * pow2(e - e_lo)[:, None]
-        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-        y = tl.where((b == 255)[:, None], float("nan"), y)
-        q = fp32_to_e4m3_bits(y, SOFT)
+        q, b = mx_quantize_blocks(to_fp32(x, SOFT), RCEIL, HW_E8M0, SOFT)
         tl.store(data_ptr + row[:, None] * stride_dm + col, q, mask=gmask[:, None])
         tl.store(scale_ptr + row * stride_sm + cg, b.to(tl.uint8), mask=gmask)
 
@@ -126,20 +102,19 @@ def _launch(
     stride_dm: int,
     stride_sm: int,
     scaling_mode: str,
-    rows: int | None = None,
-    segments: torch.Tensor | None = None,
+    gap: tuple[int, int] = (0, 0),
     max_programs: int | None = None,
 ) -> None:
-    """Quantize rows of x2d [M, K] into data/scales (uint8 views of the outputs).
+    """Quantize the rows of x2d [M, K] into data/scales (uint8 views of the outputs).
 
-    rows: output rows (default M); with ``segments`` (int32 [2 * n_seg], see map_rows) output
-    row r reads row map(r) of x2d. max_programs caps the grid (programs loop over tiles),
+    gap: (at, n) leaves rows [at, at + n) of x2d out: M - n output rows, output row m reading
+    x2d row m (m < at) or m + n. max_programs caps the grid (programs loop over tiles),
     leaving SMs free for communication kernels.
     """
     m, k = x2d.shape
-    rows = m if rows is None else rows
+    rows = m - gap[1]
     n_groups = rows * (k // BLOCK)
-    if n_groups == 0:
+    if n_groups <= 0:
         return
     if n_groups >= 2**31:
         raise ValueError(f"x has {n_groups} blocks of 32; at most 2**31 - 1 are supported")
@@ -148,27 +123,17 @@ def _launch(
     in_extent = (m - 1) * x2d.stride(0) + (k - 1) * x2d.stride(1) + 1
     int64 = _needs_int64(in_extent, (rows - 1) * stride_dm + k + k // 32)
     n_tiles = triton.cdiv(n_groups, block_g)
-    grid = (min(n_tiles, max_programs or n_tiles),)
-    _quantize_kernel[grid](
-        x2d,
-        data,
-        scales,
-        segments if segments is not None else data,
-        0 if segments is None else segments.numel() // 2,
-        n_groups,
-        k // BLOCK,
-        x2d.stride(0),
-        x2d.stride(1),
-        stride_dm,
-        stride_sm,
-        RCEIL=scaling_mode == "rceil",
-        BLOCK_G=block_g,
-        SOFT=soft,
-        HW_E8M0=not soft and _capability(x2d.device) >= 10,
-        INT64=int64,
-        ROW_MAP=segments is not None,
-        num_warps=_config.QUANTIZE_NUM_WARPS,
-    )
+    args = (x2d, data, scales, n_groups, k // BLOCK, gap[0], gap[1])
+    args += (x2d.stride(0), x2d.stride(1), stride_dm, stride_sm)
+    consts = {
+        "RCEIL": scaling_mode == "rceil",
+        "BLOCK_G": block_g,
+        "SOFT": soft,
+        "HW_E8M0": not soft and _capability(x2d.device) >= 10,
+        "INT64": int64,
+    }
+    grid = min(n_tiles, max_programs or n_tiles)
+    launch(_quantize_kernel, grid, args, consts, _config.QUANTIZE_NUM_WARPS)
 
 
 @functools.cache

@@ -190,6 +190,10 @@ def bad_input(rank, world, backend):
         (lambda: mx.to_mxfp8_a2a_dequant(x, ones, ones, scaling_mode="up"), "scaling_mode"),
         (lambda: mx.to_mxfp8_a2a_dequant(x, [1.5] * world, ones), "integers"),
         (lambda: mx.to_mxfp8_a2a_dequant(x, ones, ones, chunks=0), "chunks"),
+        (
+            lambda: mx.to_mxfp8_a2a_dequant(x, [0 if r == rank else 1 for r in range(world)], ones),
+            "to itself",
+        ),
     ]
     if dev.type == "cuda":
         cases.append(

@@ -14,14 +14,13 @@ from triton.compiler import ASTSource, compile  # noqa: E402
 
 from mxfp8_a2a.dequantize import _dequantize_kernel  # noqa: E402
 from mxfp8_a2a.quantize import _quantize_kernel  # noqa: E402
+from mxfp8_a2a.roundtrip import _roundtrip_kernel  # noqa: E402
 
 I32 = "i32"
-QUANT_SIG = dict.fromkeys(
-    ["n_seg", "n_groups", "groups_per_row", "stride_xm", "stride_xk", "stride_dm", "stride_sm"], I32
-)
-DEQUANT_SIG = dict.fromkeys(
-    ["n_seg", "n_groups", "groups_per_row", "stride_dm", "stride_sm", "stride_om"], I32
-)
+GAP = ["n_groups", "groups_per_row", "gap_at", "gap_len"]
+QUANT_SIG = dict.fromkeys(GAP + ["stride_xm", "stride_xk", "stride_dm", "stride_sm"], I32)
+DEQUANT_SIG = dict.fromkeys(GAP + ["stride_dm", "stride_sm", "stride_om"], I32)
+ROUNDTRIP_SIG = dict.fromkeys(GAP[:2] + ["stride_xm", "stride_xk", "stride_om"], I32)
 
 
 def build(kernel, sig, constexprs, cap):
@@ -37,14 +36,13 @@ for cap in (90, 100):
                 "x_ptr": f"*{dtype}",
                 "data_ptr": "*u8",
                 "scale_ptr": "*u8",
-                "seg_ptr": "*i32",
                 **QUANT_SIG,
             }
             flags = {"RCEIL": mode == "rceil", "BLOCK_G": 64, "SOFT": False}
             ptx = build(
                 _quantize_kernel,
                 sig,
-                {**flags, "HW_E8M0": cap >= 100, "INT64": True, "ROW_MAP": mode == "rceil"},
+                {**flags, "HW_E8M0": cap >= 100, "INT64": mode == "rceil"},
                 cap,
             )
             print(
@@ -62,13 +60,12 @@ for cap in (90, 100):
             "data_ptr": "*u8",
             "scale_ptr": "*u8",
             "out_ptr": f"*{dtype}",
-            "seg_ptr": "*i32",
             **DEQUANT_SIG,
         }
         ptx = build(
             _dequantize_kernel,
             sig,
-            {"BLOCK_G": 64, "SOFT": False, "INT64": False, "ROW_MAP": dtype == "bf16"},
+            {"BLOCK_G": 64, "SOFT": False, "INT64": dtype == "bf16"},
             cap,
         )
         print(
@@ -79,6 +76,20 @@ for cap in (90, 100):
                     "variant": dtype,
                     "ue8m0": False,
                     "e4m3_cvt": "e4m3x2" in ptx,
+                }
+            )
+        )
+        sig = {"x_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", **ROUNDTRIP_SIG}
+        flags = {"RCEIL": True, "BLOCK_G": 64, "SOFT": False, "HW_E8M0": cap >= 100}
+        ptx = build(_roundtrip_kernel, sig, {**flags, "INT64": False}, cap)
+        print(
+            json.dumps(
+                {
+                    "kernel": "roundtrip",
+                    "cap": cap,
+                    "variant": f"{dtype}-rceil",
+                    "ue8m0": "cvt.rp.satfinite.ue8m0x2.f32" in ptx,
+                    "e4m3_cvt": "e4m3x2.f32" in ptx and "e4m3x2" in ptx,
                 }
             )
         )

@@ -216,25 +216,56 @@ def test_bad_input(call, exc, match):
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
-def test_segmented_launch_gathers_and_scatters_rows(device):
-    """The pipeline's launches: output row r of quantize reads x[map(r)]; input row r of
-    dequantize lands in out[map(r)], with empty segments and a capped grid."""
+@pytest.mark.parametrize("gap", [(0, 0), (0, 40), (12, 10), (30, 10), (40, 0), (5, 1)])
+def test_gap_launch_skips_rows(device, gap):
+    """The exchange's launches: quantize of x with rows [at, at + n) cut out, dequantize into
+    out leaving those rows untouched, with a capped grid (programs loop over tiles)."""
     from mxfp8_a2a.dequantize import _launch as dequantize_launch
     from mxfp8_a2a.quantize import _launch as quantize_launch
 
     g = fresh_generator(device)
     x = random_blocks((40, 96), torch.bfloat16, device, g)
-    segs = [(0, 30, 3), (3, 0, 0), (3, 7, 5), (8, 35, 2)]  # (chunk row, x row, rows)
-    table = torch.tensor(
-        [s[0] for s in segs] + [s[1] for s in segs], dtype=torch.int32, device=device
-    )
-    rows = torch.cat([torch.arange(b, b + n) for _, b, n in segs]).to(device)
-    n, row = len(rows), mx.packed_row_bytes(96)
-    buf = torch.empty(n, row, dtype=torch.uint8, device=device)
-    quantize_launch(x, buf, buf[:, 96:], row, row, "rceil", n, table, max_programs=3)
-    assert torch.equal(buf, mx.quantize_packed(x[rows], backend="torch"))
+    at, n = gap
+    keep = torch.cat([x[:at], x[at + n :]])
+    row = mx.packed_row_bytes(96)
+    buf = torch.empty(40 - n, row, dtype=torch.uint8, device=device)
+    quantize_launch(x, buf, buf[:, 96:], row, row, "rceil", gap, max_programs=3)
+    assert torch.equal(buf, mx.quantize_packed(keep, backend="torch"))
     out = torch.full((40, 96), 7.0, dtype=torch.bfloat16, device=device)
-    dequantize_launch(buf, buf[:, 96:], row, row, out, n, table, max_programs=2)
+    dequantize_launch(buf, buf[:, 96:], row, row, out, gap, max_programs=2)
     want = torch.full_like(out, 7.0)
-    want[rows] = mx.dequantize_packed(buf, backend="torch")
+    y = mx.dequantize_packed(buf, backend="torch")
+    want[:at], want[at + n :] = y[:at], y[at:]
     assert torch.equal(out, want)
+
+
+def _same_bits_nan_as_nan(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Bit for bit, except that any NaN matches any NaN (NaN payloads are not specified)."""
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert torch.equal(a.isnan(), b.isnan())
+    ints = torch.int16 if a.dtype == torch.bfloat16 else torch.int32
+    assert torch.equal(a.nan_to_num(0).view(ints), b.nan_to_num(0).view(ints))
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES[:4])
+def test_quantize_dequantize_matches_reference(device, mode, dtype, shape):
+    g = fresh_generator(device)
+    x = random_blocks(shape, dtype, device, g)
+    if shape[0] >= 8:
+        x = with_specials(x, fresh_generator())
+    y = mx.quantize_dequantize(x, scaling_mode=mode, backend="triton")
+    _same_bits_nan_as_nan(y, mx.quantize_dequantize_reference(x, mode))
+    two_pass = mx.dequantize(*mx.quantize(x, scaling_mode=mode, backend="triton"), out_dtype=dtype)
+    _same_bits_nan_as_nan(y, two_pass.to(y.device))
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_quantize_dequantize_strided_and_empty(device):
+    g = fresh_generator(device)
+    x = random_blocks((64, 96), torch.float32, device, g)
+    for view in (x[::3], x[:, 32:], x[:0]):
+        y = mx.quantize_dequantize(view, backend="triton")
+        _same_bits_nan_as_nan(y, mx.quantize_dequantize_reference(view))

@@ -1,0 +1,52 @@
+"""Launch Triton kernels with less host work than ``kernel[grid](...)``.
+
+``kernel[grid](...)`` binds and specializes every argument on each call (about 30 us of
+host time per launch on the H200 machines' CPUs, against 13 us for the compiled kernel's
+own launcher: scripts/host_cost.py, BENCHMARKS.md). The exchange launches two or three
+kernels per call and small exchanges are bound by host time, so :func:`launch` keeps the
+``CompiledKernel`` that the first ``kernel[grid](...)`` returned and calls it directly
+afterwards. Its cache key holds everything Triton specializes on: for each tensor its
+dtype and whether its address is 16-byte aligned, for each int whether it equals 1, is a
+multiple of 16 and fits 32 bits, plus the constexpr values and num_warps. So a kernel is
+reused only for arguments Triton itself would have compiled it for.
+
+Kernels under the interpreter (TRITON_INTERPRET=1) go through ``kernel[grid](...)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._common import interpreted
+
+_COMPILED: dict[tuple, object] = {}
+
+
+def _arg_key(a: object) -> object:
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() % 16 == 0
+    if isinstance(a, int) and not isinstance(a, bool):
+        return a == 1, a % 16 == 0, -(2**31) <= a < 2**31
+    return a
+
+
+def launch(kernel, grid: int, args: tuple, consts: dict, num_warps: int) -> None:
+    """``kernel[(grid,)](*args, **consts, num_warps=num_warps)``, through the cache.
+
+    args: the runtime arguments in the kernel's order; consts: its constexpr parameters, in
+    the kernel's order after them.
+    """
+    device = args[0].device
+    if device.type != "cuda" or interpreted(kernel):
+        kernel[(grid,)](*args, **consts, num_warps=num_warps)
+        return
+    key = (kernel, device.index, num_warps, *consts.values(), *map(_arg_key, args))
+    compiled = _COMPILED.get(key)
+    if compiled is None:
+        names = list(kernel.arg_names)
+        if names[len(args) :] != list(consts):
+            raise AssertionError(f"constexprs {list(consts)} are not the tail of {names}")
+        _COMPILED[key] = kernel[(grid,)](*args, **consts, num_warps=num_warps)
+        return
+    stream = torch.cuda.current_stream(device).cuda_stream
+    compiled[(grid, 1, 1)](*args, *consts.values(), stream=stream)

@@ -1,0 +1,115 @@
+"""MXFP8 round trip (quantize, then dequantize, in registers): reference, kernel, op, function.
+
+What a row sent through the exchange becomes, computed where it is: the exchange uses it
+for the rows a rank keeps, which never need the wire. Layers: ``_roundtrip_kernel``
+(Triton) -> ``_launch`` -> custom op ``mxfp8_a2a::quantize_dequantize`` ->
+``quantize_dequantize``. ``quantize_dequantize_reference`` is the plain-torch definition.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _config
+from ._common import BLOCK, check_float_input, check_scaling_mode, resolve_backend
+from ._fast_launch import launch
+from ._jit_math import block_tile, mx_dequantize_blocks, mx_quantize_blocks, store_float, to_fp32
+from .dequantize import dequantize_reference
+from .quantize import _capability, _needs_int64, quantize_reference
+
+
+def quantize_dequantize_reference(x: torch.Tensor, scaling_mode: str = "rceil") -> torch.Tensor:
+    """dequantize_reference(*quantize_reference(x, scaling_mode), x.dtype): x's dtype and shape."""
+    return dequantize_reference(*quantize_reference(x, scaling_mode), x.dtype)
+
+
+@triton.jit
+def _roundtrip_kernel(
+    x_ptr,  # bf16/fp32 [M, K], strides (stride_xm, stride_xk)
+    out_ptr,  # bf16/fp32 [M, K], row stride stride_om, unit column stride
+    n_groups,  # M * K // 32
+    groups_per_row,  # K // 32
+    stride_xm,
+    stride_xk,
+    stride_om,
+    RCEIL: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    SOFT: tl.constexpr,
+    HW_E8M0: tl.constexpr,
+    INT64: tl.constexpr,
+):
+    n_tiles = tl.cdiv(n_groups, BLOCK_G)
+    for tile in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
+        gmask, row, cg = block_tile(tile, BLOCK_G, n_groups, groups_per_row)
+        if INT64:
+            row = row.to(tl.int64)
+        col = cg[:, None] * 32 + tl.arange(0, 32)[None, :]
+        x = tl.load(x_ptr + row[:, None] * stride_xm + col * stride_xk, mask=gmask[:, None])
+        q, b = mx_quantize_blocks(to_fp32(x, SOFT), RCEIL, HW_E8M0, SOFT)
+        y = mx_dequantize_blocks(q, b, SOFT)
+        store_float(out_ptr + row[:, None] * stride_om + col, y, gmask[:, None], SOFT)
+
+
+def _launch(x2d: torch.Tensor, out: torch.Tensor, scaling_mode: str) -> None:
+    """out [M, K] (x2d's dtype, unit column stride) <- round trip of x2d [M, K]."""
+    m, k = x2d.shape
+    n_groups = m * (k // BLOCK)
+    if n_groups == 0:
+        return
+    if n_groups >= 2**31:
+        raise ValueError(f"x has {n_groups} blocks of 32; at most 2**31 - 1 are supported")
+    soft = x2d.device.type == "cpu"
+    block_g = _config.INTERPRET_BLOCK_G if soft else _config.ROUNDTRIP_BLOCK_G
+    in_extent = (m - 1) * x2d.stride(0) + (k - 1) * x2d.stride(1) + 1
+    args = (x2d, out, n_groups, k // BLOCK, x2d.stride(0), x2d.stride(1), out.stride(0))
+    consts = {
+        "RCEIL": scaling_mode == "rceil",
+        "BLOCK_G": block_g,
+        "SOFT": soft,
+        "HW_E8M0": not soft and _capability(x2d.device) >= 10,
+        "INT64": _needs_int64(in_extent, m * out.stride(0)),
+    }
+    launch(
+        _roundtrip_kernel, triton.cdiv(n_groups, block_g), args, consts, _config.ROUNDTRIP_NUM_WARPS
+    )
+
+
+def _roundtrip_impl(x: torch.Tensor, scaling_mode: str) -> torch.Tensor:
+    k = x.shape[-1]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _launch(x.reshape(-1, k), out.view(-1, k), scaling_mode)
+    return out
+
+
+_roundtrip_op = torch.library.custom_op(
+    "mxfp8_a2a::quantize_dequantize", _roundtrip_impl, mutates_args=()
+)
+
+
+@_roundtrip_op.register_fake
+def _(x: torch.Tensor, scaling_mode: str) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def quantize_dequantize(
+    x: torch.Tensor, *, scaling_mode: str = "rceil", backend: str = "auto"
+) -> torch.Tensor:
+    """MXFP8 round trip in one pass: dequantize(quantize(x)) without the 8-bit copy.
+
+    Args:
+        x: bfloat16 or float32, shape [..., K], K % 32 == 0; any strides.
+        scaling_mode, backend: as for :func:`mxfp8_a2a.quantize`.
+    Returns:
+        x's dtype and shape; bit for bit ``dequantize(*quantize(x), out_dtype=x.dtype)``.
+    """
+    check_float_input(x)
+    check_scaling_mode(scaling_mode)
+    if resolve_backend(backend, x.device, _roundtrip_kernel) == "torch":
+        return quantize_dequantize_reference(x, scaling_mode)
+    op = _roundtrip_op if torch.compiler.is_compiling() else _roundtrip_impl
+    return op(x, scaling_mode)
+
+
+__all__ = ["quantize_dequantize", "quantize_dequantize_reference"]
