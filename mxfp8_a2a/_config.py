@@ -22,14 +22,17 @@ INTERPRET_BLOCK_G = 16
 # round-trip kernel, overlapped with the collective) from this many elements up; below it
 # the extra launch (~15-20 us of host time) costs more than the GPU time it saves.
 KEEP_LOCAL_MIN_ELEMENTS = 4 << 20
-# Pipelined exchange. Rows a (sender, receiver) pair exchanges are
-# split into chunks of about PIPELINE_CHUNK_BYTES wire bytes, at most PIPELINE_MAX_CHUNKS;
-# while chunks are in flight the cast kernels keep PIPELINE_RESERVED_SMS multiprocessors
-# free for the communication kernels. First values, to be set from bench_a2a sweeps.
+# Casts that run beside communication kernels (the kept rows' round trip, the pipeline's
+# chunk casts) get a persistent grid of this many programs per multiprocessor. A full grid
+# (tens of thousands of programs) queues ahead of NCCL's blocks, which then wait for the
+# cast to finish: measured on 2x H200, 131072x5120, kept rows with a full grid 2.17 ms
+# against ~1.8 expected (BENCHMARKS.md). Two 4-warp programs leave room on each SM for a
+# NCCL block.
+BESIDE_COMM_PROGRAMS_PER_SM = 2
+# Pipelined exchange: rows a (sender, receiver) pair exchanges are cut into chunks of about
+# PIPELINE_CHUNK_BYTES wire bytes, at most PIPELINE_MAX_CHUNKS.
 PIPELINE_CHUNK_BYTES = 64 << 20
 PIPELINE_MAX_CHUNKS = 8
-PIPELINE_RESERVED_SMS = 16
-PIPELINE_PROGRAMS_PER_SM = 8
 
 # Per-group FP8 scaling (mxfp8_a2a/per_group_scales.py). A program holds one tile of
 # ``tile`` elements in registers: the whole group along the group axis (a power of two from

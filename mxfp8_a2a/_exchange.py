@@ -60,12 +60,17 @@ def _dequantize_into(buf, out, gap=(0, 0), programs=None) -> None:
     out[at + n :] = y[at:]
 
 
-def _roundtrip_into(x, out, mode) -> None:
+def _roundtrip_into(x, out, mode, programs=None) -> None:
     """out [n, K] <- dequantize(quantize(x [n, K])) in out's dtype (x's)."""
     if x.device.type == "cuda":
-        _roundtrip_launch(x, out, mode)
+        _roundtrip_launch(x, out, mode, programs)
     else:
         out.copy_(quantize_dequantize_reference(x, mode))
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @functools.cache
@@ -77,8 +82,7 @@ def _cast_programs(device: torch.device) -> int | None:
     """Grid cap for casts that run beside communication kernels (None: no cap)."""
     if device.type != "cuda":
         return None
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(sms - _config.PIPELINE_RESERVED_SMS, 1) * _config.PIPELINE_PROGRAMS_PER_SM
+    return _sm_count(device) * _config.BESIDE_COMM_PROGRAMS_PER_SM
 
 
 def _all_to_all(out, inp, out_splits, in_splits, group) -> dist.Work:
@@ -121,7 +125,8 @@ def exchange_single(
     recv = torch.empty((out.shape[0] - n, row), dtype=torch.uint8, device=x.device)
     work = _all_to_all(recv, send, recv_splits, send_splits, group)
     if n:
-        _roundtrip_into(x[x_at : x_at + n], out[o_at : o_at + n], mode)
+        programs = _cast_programs(x.device)
+        _roundtrip_into(x[x_at : x_at + n], out[o_at : o_at + n], mode, programs)
     work.wait()
     _dequantize_into(recv, out, (o_at, n))
     return out
@@ -193,7 +198,7 @@ def exchange_pipelined(
     if cuda:
         side.wait_stream(main)  # out, send, recv may reuse memory main's pending work used
     with on_side():  # kept rows: beside the whole pipeline
-        _roundtrip_into(x[x_at : x_at + n], out[o_at : o_at + n], mode)
+        _roundtrip_into(x[x_at : x_at + n], out[o_at : o_at + n], mode, programs)
 
     def peer(r: int) -> int:
         return r if group is None else dist.get_global_rank(group, r)

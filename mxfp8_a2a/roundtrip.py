@@ -52,8 +52,12 @@ def _roundtrip_kernel(
         store_float(out_ptr + row[:, None] * stride_om + col, y, gmask[:, None], SOFT)
 
 
-def _launch(x2d: torch.Tensor, out: torch.Tensor, scaling_mode: str) -> None:
-    """out [M, K] (x2d's dtype, unit column stride) <- round trip of x2d [M, K]."""
+def _launch(
+    x2d: torch.Tensor, out: torch.Tensor, scaling_mode: str, max_programs: int | None = None
+) -> None:
+    """out [M, K] (x2d's dtype, unit column stride) <- round trip of x2d [M, K].
+
+    max_programs caps the grid (programs loop over tiles)."""
     m, k = x2d.shape
     n_groups = m * (k // BLOCK)
     if n_groups == 0:
@@ -71,9 +75,9 @@ def _launch(x2d: torch.Tensor, out: torch.Tensor, scaling_mode: str) -> None:
         "HW_E8M0": not soft and _capability(x2d.device) >= 10,
         "INT64": _needs_int64(in_extent, m * out.stride(0)),
     }
-    launch(
-        _roundtrip_kernel, triton.cdiv(n_groups, block_g), args, consts, _config.ROUNDTRIP_NUM_WARPS
-    )
+    n_tiles = triton.cdiv(n_groups, block_g)
+    grid = min(n_tiles, max_programs or n_tiles)
+    launch(_roundtrip_kernel, grid, args, consts, _config.ROUNDTRIP_NUM_WARPS)
 
 
 def _roundtrip_impl(x: torch.Tensor, scaling_mode: str) -> torch.Tensor:

@@ -89,6 +89,12 @@ def main() -> None:
     dist.destroy_process_group()
 
 
+def _async_opts() -> dist.AllToAllOptions:
+    opts = dist.AllToAllOptions()
+    opts.asyncOp = True
+    return opts
+
+
 def _direct_quantize(x: torch.Tensor):
     """Launch the quantize kernel through JITFunction.run, or through the CompiledKernel
     that run returned (no argument binding or specialization on the host)."""
@@ -99,8 +105,8 @@ def _direct_quantize(x: torch.Tensor):
     out = torch.empty((x.shape[0], row), dtype=torch.uint8, device=x.device)
     n_groups = x.shape[0] * k // 32
     grid = (triton.cdiv(n_groups, 256),)
-    args = [x, out, out[:, k:], out, 0, n_groups, k // 32, x.stride(0), 1, row, row]
-    consts = dict(RCEIL=True, BLOCK_G=256, SOFT=False, HW_E8M0=False, INT64=False, ROW_MAP=False)
+    args = [x, out, out[:, k:], n_groups, k // 32, 0, 0, x.stride(0), 1, row, row]
+    consts = dict(RCEIL=True, BLOCK_G=256, SOFT=False, HW_E8M0=False, INT64=False)
     compiled = _quantize_kernel[grid](*args, **consts, num_warps=4)
     runner = compiled[(grid[0], 1, 1)]
     all_args = args + list(consts.values())
@@ -133,6 +139,10 @@ def run_shape(shape: str, calls: int, device: torch.device) -> None:
         "quantize_packed": lambda: quantize_packed(x),
         "uint8 all_to_all_single": lambda: dist.all_to_all_single(recv, packed, out_splits, splits),
         "dequantize_packed": lambda: dequantize_packed(recv),
+        "alltoall_base (async, wait)": lambda: dist.group.WORLD.alltoall_base(
+            recv, packed, out_splits, splits, _async_opts()
+        ).wait(),
+        "quantize_dequantize": lambda: mx.quantize_dequantize(x),
         "a2a, fresh recv": lambda: dist.all_to_all_single(
             torch.empty_like(recv), packed, out_splits, splits
         ),

@@ -88,6 +88,38 @@ def exact_forward_backward(rank, world, backend, seed, k, dtype, mode):
         assert torch.equal(x.detach(), x_before)  # input untouched
 
 
+def exact_large(rank, world, backend, seed):
+    """Thousands of rows per pair, K = 1024: the kept rows reach KEEP_LOCAL_MIN_ELEMENTS on
+    CUDA (round-trip kernel beside the collective); pipelined chunks of ~1000 rows."""
+    from mxfp8_a2a import _config
+
+    dev = device_for(backend)
+    k = 1024
+    g = torch.Generator().manual_seed(seed)
+    s = torch.randint(1, 2000, (world, world), generator=g)
+    s.fill_diagonal_(_config.KEEP_LOCAL_MIN_ELEMENTS // k + int(s[0, 0]))
+    s = s.tolist()
+    in_splits, out_splits = s[rank], [s[src][rank] for src in range(world)]
+
+    def make_x(src):
+        return rank_input(src, sum(s[src]), k, torch.bfloat16, seed, dev)
+
+    def make_g(dst):  # the upstream gradient on rank dst
+        rows = sum(s[i][dst] for i in range(world))
+        return rank_input(dst, rows, k, torch.bfloat16, seed + 7, dev)
+
+    want_out = expected_rows(rank, s, make_x)
+    t = [[s[d][r] for d in range(world)] for r in range(world)]
+    want_grad = expected_rows(rank, t, make_g)
+    grad = make_g(rank)
+    for chunks in (1, None, 3):
+        x = make_x(rank).requires_grad_(True)
+        out = mx.to_mxfp8_a2a_dequant(x, out_splits, in_splits, chunks=chunks)
+        assert torch.equal(out.detach().cpu(), want_out), chunks
+        out.backward(grad)
+        assert torch.equal(x.grad.cpu(), want_grad), chunks
+
+
 def routing(rank, world, backend, seed):
     """Rows encode (source, destination, index) exactly in e4m3; every row lands right."""
     dev = device_for(backend)

@@ -11,6 +11,7 @@ from a2a_workers import (
     compiled,
     edge_cases,
     exact_forward_backward,
+    exact_large,
     memory_flat,
     routing,
     sqnr_vs_bf16,
@@ -36,6 +37,11 @@ def test_exact_forward_backward(backend):
             run_distributed(
                 exact_forward_backward, world, backend, seed, 96, dtype, mode, backend=backend
             )
+
+
+@pytest.mark.parametrize("backend", BACKENDS[1:])
+def test_exact_large_messages(backend):
+    run_distributed(exact_large, _worlds(backend)[0], backend, _seed(), backend=backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
