@@ -23,12 +23,14 @@ INTERPRET_BLOCK_G = 16
 # the extra launch (~15-20 us of host time) costs more than the GPU time it saves.
 KEEP_LOCAL_MIN_ELEMENTS = 4 << 20
 # Casts that run beside communication kernels (the kept rows' round trip, the pipeline's
-# chunk casts) get a persistent grid of this many programs per multiprocessor. A full grid
-# (tens of thousands of programs) queues ahead of NCCL's blocks, which then wait for the
-# cast to finish: measured on 2x H200, 131072x5120, kept rows with a full grid 2.17 ms
-# against ~1.8 expected (BENCHMARKS.md). Two 4-warp programs leave room on each SM for a
-# NCCL block.
-BESIDE_COMM_PROGRAMS_PER_SM = 2
+# chunk casts) must leave room on every SM for NCCL's blocks, which otherwise wait for the
+# cast to finish. Measured on 2x H200, 131072x5120 (torch.profiler timeline, BENCHMARKS.md):
+# with a full grid, and still with 2 programs/SM of 256 blocks (8192 values held per
+# program), the NCCL kernel started only as the round trip's programs retired. So the round
+# trip beside the collective runs small programs (64 blocks: fewer registers each), at most
+# BESIDE_COMM_PROGRAMS_PER_SM per SM.
+BESIDE_COMM_PROGRAMS_PER_SM = 4
+BESIDE_COMM_BLOCK_G = 64
 # Pipelined exchange: rows a (sender, receiver) pair exchanges are cut into chunks of about
 # PIPELINE_CHUNK_BYTES wire bytes, at most PIPELINE_MAX_CHUNKS.
 PIPELINE_CHUNK_BYTES = 64 << 20

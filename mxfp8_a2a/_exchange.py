@@ -61,9 +61,10 @@ def _dequantize_into(buf, out, gap=(0, 0), programs=None) -> None:
 
 
 def _roundtrip_into(x, out, mode, programs=None) -> None:
-    """out [n, K] <- dequantize(quantize(x [n, K])) in out's dtype (x's)."""
+    """out [n, K] <- dequantize(quantize(x [n, K])) in out's dtype (x's), in small programs
+    (it runs beside a collective)."""
     if x.device.type == "cuda":
-        _roundtrip_launch(x, out, mode, programs)
+        _roundtrip_launch(x, out, mode, programs, _config.BESIDE_COMM_BLOCK_G)
     else:
         out.copy_(quantize_dequantize_reference(x, mode))
 

@@ -53,11 +53,16 @@ def _roundtrip_kernel(
 
 
 def _launch(
-    x2d: torch.Tensor, out: torch.Tensor, scaling_mode: str, max_programs: int | None = None
+    x2d: torch.Tensor,
+    out: torch.Tensor,
+    scaling_mode: str,
+    max_programs: int | None = None,
+    block_g: int | None = None,
 ) -> None:
     """out [M, K] (x2d's dtype, unit column stride) <- round trip of x2d [M, K].
 
-    max_programs caps the grid (programs loop over tiles)."""
+    max_programs caps the grid (programs loop over tiles); block_g overrides the blocks of
+    32 per program (config default)."""
     m, k = x2d.shape
     n_groups = m * (k // BLOCK)
     if n_groups == 0:
@@ -65,7 +70,7 @@ def _launch(
     if n_groups >= 2**31:
         raise ValueError(f"x has {n_groups} blocks of 32; at most 2**31 - 1 are supported")
     soft = x2d.device.type == "cpu"
-    block_g = _config.INTERPRET_BLOCK_G if soft else _config.ROUNDTRIP_BLOCK_G
+    block_g = _config.INTERPRET_BLOCK_G if soft else block_g or _config.ROUNDTRIP_BLOCK_G
     in_extent = (m - 1) * x2d.stride(0) + (k - 1) * x2d.stride(1) + 1
     args = (x2d, out, n_groups, k // BLOCK, x2d.stride(0), x2d.stride(1), out.stride(0))
     consts = {

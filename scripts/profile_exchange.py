@@ -11,6 +11,7 @@ per pipeline step that BENCHMARKS.md reports.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 import torch
@@ -21,13 +22,36 @@ import mxfp8_a2a as mx
 from mxfp8_a2a._launch import init_from_torchrun
 
 
+def print_timeline(trace_path: str) -> None:
+    """GPU kernels of the last profiled call (after the last cudaDeviceSynchronize-free gap):
+    start and end in us from the first kernel of that call, stream, name."""
+    with open(trace_path) as f:
+        events = json.load(f)["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: float(e["ts"]))
+    # calls are separated by the barrier-free host loop; take the kernels of the last call:
+    # from the last quantize kernel that starts a forward (the first of the last 2 * per_call)
+    per_call = len(kernels) // max(1, CALLS)
+    last = kernels[-per_call:]
+    t0 = float(last[0]["ts"])
+    print(f"GPU timeline of the last call ({per_call} kernels), us:")
+    for e in last:
+        start = float(e["ts"]) - t0
+        print(
+            f"{start:9.1f} {start + float(e['dur']):9.1f}  stream {e['args'].get('stream')}"
+            f"  {e['name'][:60]}"
+        )
+
+
+CALLS = 5
+
+
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--shape", default="8192x5120", help="TOKENSxDIM per rank")
     p.add_argument("--chunks", default="1", help="an int, or 'auto'")
-    p.add_argument("--calls", type=int, default=5)
+    p.add_argument("--calls", type=int, default=CALLS)
     p.add_argument("--out", default="profile_out")
     args = p.parse_args()
     device = init_from_torchrun()
@@ -58,6 +82,7 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     prof.export_chrome_trace(os.path.join(args.out, f"trace_rank{rank}.json"))
     if rank == 0:
+        print_timeline(os.path.join(args.out, f"trace_rank{rank}.json"))
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
         if device.type == "cuda":
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
