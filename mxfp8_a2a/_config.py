@@ -23,14 +23,15 @@ INTERPRET_BLOCK_G = 16
 # the extra launch (~15-20 us of host time) costs more than the GPU time it saves.
 KEEP_LOCAL_MIN_ELEMENTS = 4 << 20
 # Casts that run beside communication kernels (the kept rows' round trip, the pipeline's
-# chunk casts) must leave room on every SM for NCCL's blocks, which otherwise wait for the
-# cast to finish. Measured on 2x H200, 131072x5120 (torch.profiler timeline, BENCHMARKS.md):
-# with a full grid, and still with 2 programs/SM of 256 blocks (8192 values held per
-# program), the NCCL kernel started only as the round trip's programs retired. So the round
-# trip beside the collective runs small programs (64 blocks: fewer registers each), at most
-# BESIDE_COMM_PROGRAMS_PER_SM per SM.
-BESIDE_COMM_PROGRAMS_PER_SM = 4
-BESIDE_COMM_BLOCK_G = 64
+# chunk casts) must leave whole SMs free for NCCL: a NCCL block takes (nearly) a whole SM's
+# registers, so it cannot start on an SM where any cast program is resident. Measured on
+# 2x H200, 131072x5120 (torch.profiler timeline, BENCHMARKS.md): with a full grid, with
+# 2 programs/SM of 256 blocks and with 4 programs/SM of 64 blocks alike, the NCCL kernel
+# started only as the round trip's programs retired. So the casts beside a collective run
+# one program per SM on all but BESIDE_COMM_FREE_SMS of them.
+BESIDE_COMM_FREE_SMS = 32
+BESIDE_COMM_BLOCK_G = 256
+BESIDE_COMM_NUM_WARPS = 8
 # Pipelined exchange: rows a (sender, receiver) pair exchanges are cut into chunks of about
 # PIPELINE_CHUNK_BYTES wire bytes, at most PIPELINE_MAX_CHUNKS.
 PIPELINE_CHUNK_BYTES = 64 << 20

@@ -64,7 +64,8 @@ def _roundtrip_into(x, out, mode, programs=None) -> None:
     """out [n, K] <- dequantize(quantize(x [n, K])) in out's dtype (x's), in small programs
     (it runs beside a collective)."""
     if x.device.type == "cuda":
-        _roundtrip_launch(x, out, mode, programs, _config.BESIDE_COMM_BLOCK_G)
+        block_g, warps = _config.BESIDE_COMM_BLOCK_G, _config.BESIDE_COMM_NUM_WARPS
+        _roundtrip_launch(x, out, mode, programs, block_g, warps)
     else:
         out.copy_(quantize_dequantize_reference(x, mode))
 
@@ -83,7 +84,7 @@ def _cast_programs(device: torch.device) -> int | None:
     """Grid cap for casts that run beside communication kernels (None: no cap)."""
     if device.type != "cuda":
         return None
-    return _sm_count(device) * _config.BESIDE_COMM_PROGRAMS_PER_SM
+    return max(_sm_count(device) - _config.BESIDE_COMM_FREE_SMS, 1)
 
 
 def _all_to_all(out, inp, out_splits, in_splits, group) -> dist.Work:

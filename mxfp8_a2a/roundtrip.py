@@ -58,11 +58,12 @@ def _launch(
     scaling_mode: str,
     max_programs: int | None = None,
     block_g: int | None = None,
+    num_warps: int | None = None,
 ) -> None:
     """out [M, K] (x2d's dtype, unit column stride) <- round trip of x2d [M, K].
 
-    max_programs caps the grid (programs loop over tiles); block_g overrides the blocks of
-    32 per program (config default)."""
+    max_programs caps the grid (programs loop over tiles); block_g (blocks of 32 per
+    program) and num_warps override the config's values."""
     m, k = x2d.shape
     n_groups = m * (k // BLOCK)
     if n_groups == 0:
@@ -82,7 +83,7 @@ def _launch(
     }
     n_tiles = triton.cdiv(n_groups, block_g)
     grid = min(n_tiles, max_programs or n_tiles)
-    launch(_roundtrip_kernel, grid, args, consts, _config.ROUNDTRIP_NUM_WARPS)
+    launch(_roundtrip_kernel, grid, args, consts, num_warps or _config.ROUNDTRIP_NUM_WARPS)
 
 
 def _roundtrip_impl(x: torch.Tensor, scaling_mode: str) -> torch.Tensor:

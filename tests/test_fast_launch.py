@@ -1,0 +1,28 @@
+"""The launch cache keys on everything Triton specializes a kernel on (no GPU needed)."""
+
+import torch
+
+from mxfp8_a2a._fast_launch import _arg_key
+
+
+def test_tensor_key_holds_dtype_and_16_byte_alignment():
+    x = torch.zeros(64, dtype=torch.bfloat16)
+    assert _arg_key(x) == (torch.bfloat16, True)
+    assert _arg_key(x[8:]) == (torch.bfloat16, True)  # 16 bytes in
+    assert _arg_key(x[1:]) == (torch.bfloat16, False)  # 2 bytes in
+    assert _arg_key(x.float()) == (torch.float32, True)
+
+
+def test_int_key_holds_one_multiple_of_16_and_width():
+    assert _arg_key(1) == (True, False, True)
+    assert _arg_key(32) == (False, True, True)
+    assert _arg_key(33) == (False, False, True)
+    assert _arg_key(0) == (False, True, True)
+    assert _arg_key(2**31) == (False, True, False)
+    assert _arg_key(2**31 - 1) == (False, False, True)
+    assert len({_arg_key(v) for v in (1, 16, 17, 2**31, 2**31 + 1)}) == 5
+
+
+def test_other_values_key_as_themselves():
+    assert _arg_key(True) is True
+    assert _arg_key(None) is None
