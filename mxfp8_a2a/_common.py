@@ -62,3 +62,12 @@ def check_float_input(x: torch.Tensor, name: str = "x") -> int:
 def check_out_dtype(out_dtype: torch.dtype) -> None:
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
+
+
+def block_count(rows: int, k: int, name: str) -> int:
+    """Blocks of 32 in ``rows`` rows of K values (what a cast kernel's grid covers); at most
+    2**31 - 1, the kernels' int32 block index."""
+    n = rows * (k // BLOCK)
+    if n >= 2**31:
+        raise ValueError(f"{name} has {n} blocks of 32; at most 2**31 - 1 are supported")
+    return n

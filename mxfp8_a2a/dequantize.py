@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from . import _config
-from ._common import BLOCK, check_out_dtype, resolve_backend
+from ._common import BLOCK, block_count, check_out_dtype, resolve_backend
 from ._fast_launch import launch
 from ._jit_math import block_tile, mx_dequantize_blocks, skip_gap, store_float
 from .packing import k_from_packed_row_bytes, unpack
@@ -113,11 +113,9 @@ def _launch(
     """
     m, k = out.shape
     rows = m - gap[1]
-    n_groups = rows * (k // BLOCK)
+    n_groups = block_count(rows, k, "data")
     if n_groups <= 0:
         return
-    if n_groups >= 2**31:
-        raise ValueError(f"data has {n_groups} blocks of 32; at most 2**31 - 1 are supported")
     soft = out.device.type == "cpu"
     block_g = _config.INTERPRET_BLOCK_G if soft else _config.DEQUANTIZE_BLOCK_G
     int64 = max((rows - 1) * stride_dm + k + k // BLOCK, m * out.stride(0)) >= 2**31

@@ -14,7 +14,14 @@ import triton
 import triton.language as tl
 
 from . import _config
-from ._common import BLOCK, E4M3_MAX, check_float_input, check_scaling_mode, resolve_backend
+from ._common import (
+    BLOCK,
+    E4M3_MAX,
+    block_count,
+    check_float_input,
+    check_scaling_mode,
+    resolve_backend,
+)
 from ._fast_launch import launch
 from ._jit_math import block_tile, mx_quantize_blocks, skip_gap, to_fp32
 from .packing import pack, packed_row_bytes
@@ -113,11 +120,9 @@ def _launch(
     """
     m, k = x2d.shape
     rows = m - gap[1]
-    n_groups = rows * (k // BLOCK)
+    n_groups = block_count(rows, k, "x")
     if n_groups <= 0:
         return
-    if n_groups >= 2**31:
-        raise ValueError(f"x has {n_groups} blocks of 32; at most 2**31 - 1 are supported")
     soft = x2d.device.type == "cpu"
     block_g = _config.INTERPRET_BLOCK_G if soft else _config.QUANTIZE_BLOCK_G
     in_extent = (m - 1) * x2d.stride(0) + (k - 1) * x2d.stride(1) + 1

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from . import _config
-from ._common import BLOCK, check_float_input, check_scaling_mode, resolve_backend
+from ._common import BLOCK, block_count, check_float_input, check_scaling_mode, resolve_backend
 from ._fast_launch import launch
 from ._jit_math import block_tile, mx_dequantize_blocks, mx_quantize_blocks, store_float, to_fp32
 from .dequantize import dequantize_reference
@@ -65,11 +65,9 @@ def _launch(
     max_programs caps the grid (programs loop over tiles); block_g (blocks of 32 per
     program) and num_warps override the config's values."""
     m, k = x2d.shape
-    n_groups = m * (k // BLOCK)
-    if n_groups == 0:
+    n_groups = block_count(m, k, "x")
+    if n_groups <= 0:
         return
-    if n_groups >= 2**31:
-        raise ValueError(f"x has {n_groups} blocks of 32; at most 2**31 - 1 are supported")
     soft = x2d.device.type == "cpu"
     block_g = _config.INTERPRET_BLOCK_G if soft else block_g or _config.ROUNDTRIP_BLOCK_G
     in_extent = (m - 1) * x2d.stride(0) + (k - 1) * x2d.stride(1) + 1
