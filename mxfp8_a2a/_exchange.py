@@ -61,8 +61,8 @@ def _dequantize_into(buf, out, gap=(0, 0), programs=None) -> None:
 
 
 def _roundtrip_into(x, out, mode, programs=None) -> None:
-    """out [n, K] <- dequantize(quantize(x [n, K])) in out's dtype (x's), in small programs
-    (it runs beside a collective)."""
+    """out [n, K] <- dequantize(quantize(x [n, K])) in out's dtype (x's), with the launch
+    configuration for casts beside a collective (BESIDE_COMM_* in _config.py)."""
     if x.device.type == "cuda":
         block_g, warps = _config.BESIDE_COMM_BLOCK_G, _config.BESIDE_COMM_NUM_WARPS
         _roundtrip_launch(x, out, mode, programs, block_g, warps)
@@ -102,6 +102,16 @@ def keeps_local(n: int, k: int, device: torch.device) -> bool:
     return n > 0 and (device.type != "cuda" or n * k >= _config.KEEP_LOCAL_MIN_ELEMENTS)
 
 
+def _buffers(x, output_splits, n):
+    """out [sum(output_splits), K] in x's dtype, and the packed send and receive buffers
+    (uint8 rows): the outgoing (incoming) rows in x (out) order, the n kept ones cut."""
+    row = packed_row_bytes(x.shape[1])
+    out = x.new_empty((sum(output_splits), x.shape[1]))
+    send = torch.empty((x.shape[0] - n, row), dtype=torch.uint8, device=x.device)
+    recv = torch.empty((out.shape[0] - n, row), dtype=torch.uint8, device=x.device)
+    return out, send, recv
+
+
 # ---------------------------------------------------------------------------- one collective
 
 
@@ -114,17 +124,13 @@ def exchange_single(
 ) -> torch.Tensor:
     """x [T, K] -> [sum(output_splits), K]: one all_to_all_single of the outgoing rows."""
     rank = dist.get_rank(group)
-    k = x.shape[1]
-    row = packed_row_bytes(k)
-    out = x.new_empty((sum(output_splits), k))
     x_at, o_at = sum(input_splits[:rank]), sum(output_splits[:rank])
-    n = input_splits[rank] if keeps_local(input_splits[rank], k, x.device) else 0
+    n = input_splits[rank] if keeps_local(input_splits[rank], x.shape[1], x.device) else 0
+    out, send, recv = _buffers(x, output_splits, n)
     send_splits, recv_splits = list(input_splits), list(output_splits)
     send_splits[rank] -= n
     recv_splits[rank] -= n
-    send = torch.empty((x.shape[0] - n, row), dtype=torch.uint8, device=x.device)
     _quantize_into(x, send, mode, (x_at, n))
-    recv = torch.empty((out.shape[0] - n, row), dtype=torch.uint8, device=x.device)
     work = _all_to_all(recv, send, recv_splits, send_splits, group)
     if n:
         programs = _cast_programs(x.device)
@@ -185,13 +191,8 @@ def exchange_pipelined(
 ) -> torch.Tensor:
     """x [T, K] -> [sum(output_splits), K] through the steps of :func:`make_plan`."""
     rank = dist.get_rank(group)
-    k = x.shape[1]
-    row = packed_row_bytes(k)
-    out = x.new_empty((sum(output_splits), k))
     x_at, o_at, n = sum(input_splits[:rank]), sum(output_splits[:rank]), input_splits[rank]
-    # packed buffers hold the outgoing (incoming) rows in x (out) order, the kept ones cut
-    send = torch.empty((x.shape[0] - n, row), dtype=torch.uint8, device=x.device)
-    recv = torch.empty((out.shape[0] - n, row), dtype=torch.uint8, device=x.device)
+    out, send, recv = _buffers(x, output_splits, n)
     cuda = x.device.type == "cuda"
     main = torch.cuda.current_stream(x.device) if cuda else None
     side = _side_stream(x.device) if cuda else None
@@ -205,8 +206,9 @@ def exchange_pipelined(
     def peer(r: int) -> int:
         return r if group is None else dist.get_global_rank(group, r)
 
+    row = send.shape[1]
     for s, r in make_plan(input_splits, output_splits, rank, row, chunks):
-        ops = []
+        ops, arrived = [], None
         if s is not None:
             dst, lo, rows = s
             b = lo if lo < x_at else lo - n
@@ -215,13 +217,14 @@ def exchange_pipelined(
         if r is not None:
             src, lo, rows = r
             b = lo if lo < o_at else lo - n
-            ops.append(dist.P2POp(dist.irecv, recv[b : b + rows], peer(src), group))
+            arrived = (recv[b : b + rows], out[lo : lo + rows])
+            ops.append(dist.P2POp(dist.irecv, arrived[0], peer(src), group))
         works = dist.batch_isend_irecv(ops)
         with on_side():
             for w in works:
                 w.wait()
-            if r is not None:
-                _dequantize_into(recv[b : b + rows], out[lo : lo + rows], programs=programs)
+            if arrived is not None:
+                _dequantize_into(*arrived, programs=programs)
     if cuda:
         main.wait_stream(side)
     return out

@@ -98,16 +98,19 @@ def _async_opts() -> dist.AllToAllOptions:
 def _direct_quantize(x: torch.Tensor):
     """Launch the quantize kernel through JITFunction.run, or through the CompiledKernel
     that run returned (no argument binding or specialization on the host)."""
-    from mxfp8_a2a.quantize import _quantize_kernel
+    from mxfp8_a2a import _config
+    from mxfp8_a2a.quantize import _capability, _quantize_kernel
 
     k = x.shape[1]
     row = mx.packed_row_bytes(k)
     out = torch.empty((x.shape[0], row), dtype=torch.uint8, device=x.device)
     n_groups = x.shape[0] * k // 32
-    grid = (triton.cdiv(n_groups, 256),)
+    block_g, warps = _config.QUANTIZE_BLOCK_G, _config.QUANTIZE_NUM_WARPS
+    grid = (triton.cdiv(n_groups, block_g),)
     args = [x, out, out[:, k:], n_groups, k // 32, 0, 0, x.stride(0), 1, row, row]
-    consts = dict(RCEIL=True, BLOCK_G=256, SOFT=False, HW_E8M0=False, INT64=False)
-    compiled = _quantize_kernel[grid](*args, **consts, num_warps=4)
+    hw_e8m0 = _capability(x.device) >= 10
+    consts = dict(RCEIL=True, BLOCK_G=block_g, SOFT=False, HW_E8M0=hw_e8m0, INT64=False)
+    compiled = _quantize_kernel[grid](*args, **consts, num_warps=warps)
     runner = compiled[(grid[0], 1, 1)]
     all_args = args + list(consts.values())
 
@@ -115,7 +118,7 @@ def _direct_quantize(x: torch.Tensor):
         if cached:
             runner(*all_args)
         else:
-            _quantize_kernel[grid](*args, **consts, num_warps=4)
+            _quantize_kernel[grid](*args, **consts, num_warps=warps)
 
     return launch
 
