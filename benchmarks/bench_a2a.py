@@ -32,6 +32,7 @@ from common import Progress, median, parse_shape, versions, write_json
 from tabulate import tabulate
 
 import mxfp8_a2a as mx
+from mxfp8_a2a import _config
 from mxfp8_a2a._launch import init_from_torchrun
 from mxfp8_a2a.dequantize import dequantize_packed
 from mxfp8_a2a.quantize import quantize_packed
@@ -218,6 +219,11 @@ def main(argv: list[str] | None = None) -> None:
         " (pipelined); repeat to compare",
     )
     p.add_argument("--scaling-mode", choices=["rceil", "floor"], default="rceil")
+    p.add_argument(
+        "--free-sms",
+        type=int,
+        help="tuning: SMs the casts beside a collective leave free (BESIDE_COMM_FREE_SMS)",
+    )
     p.add_argument("--json", help="write all numbers to this JSON file (rank 0)")
     p.add_argument("--plot", help="write a PNG of speedup vs tokens (needs matplotlib)")
     args = p.parse_args(argv)
@@ -227,6 +233,8 @@ def main(argv: list[str] | None = None) -> None:
         except ImportError:
             p.error("--plot needs matplotlib: pip install matplotlib (or 'mxfp8_a2a[plot]')")
 
+    if args.free_sms is not None:
+        _config.BESIDE_COMM_FREE_SMS = args.free_sms
     device = init_from_torchrun()
     cuda = device.type == "cuda"
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -240,6 +248,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     info["NCCL_P2P_DISABLE"] = os.environ.get("NCCL_P2P_DISABLE", "0")
     info["chunks"] = [c or "auto" for c in chunk_settings]
+    info["free_sms"] = _config.BESIDE_COMM_FREE_SMS
     progress = Progress(len(shapes), enabled=rank == 0)
     results, rows = {}, []
     for text in shapes:

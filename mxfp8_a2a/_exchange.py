@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from . import _config
+from ._common import BLOCK
 from .dequantize import _launch as _dequantize_launch
 from .dequantize import dequantize_reference
 from .packing import pack, packed_row_bytes, unpack
@@ -112,17 +113,34 @@ def _buffers(x, output_splits, n):
     return out, send, recv
 
 
-# ---------------------------------------------------------------------------- one collective
+# ---------------------------------------------------------------------------- collectives
 
 
-def exchange_single(
+def column_cuts(k: int, chunks: int) -> list[tuple[int, int]]:
+    """min(chunks, K/32) (first column, columns) pieces of K columns, widths multiples of 32
+    (a scale block never straddles two pieces)."""
+    nb = k // BLOCK
+    c = max(1, min(chunks, nb))
+    return [(BLOCK * (nb * i // c), BLOCK * (nb * (i + 1) // c - nb * i // c)) for i in range(c)]
+
+
+def exchange_columns(
     x: torch.Tensor,
     output_splits: list[int],
     input_splits: list[int],
     group: dist.ProcessGroup | None,
     mode: str,
+    chunks: int = 1,
 ) -> torch.Tensor:
-    """x [T, K] -> [sum(output_splits), K]: one all_to_all_single of the outgoing rows."""
+    """x [T, K] -> [sum(output_splits), K]: one all_to_all_single of the outgoing rows per
+    column piece (:func:`column_cuts`).
+
+    Each piece is quantized (packed rows of its own width), sent with the rank's splits and
+    dequantized into its columns; the collective of piece i runs while piece i + 1 is
+    quantized and piece i - 1 dequantized (casts beside a collective leave SMs free for it,
+    see _config.py). The kept rows' round trip runs after the last quantize, beside the
+    collectives. Every rank must pass the same ``chunks`` (one collective per piece).
+    """
     rank = dist.get_rank(group)
     x_at, o_at = sum(input_splits[:rank]), sum(output_splits[:rank])
     n = input_splits[rank] if keeps_local(input_splits[rank], x.shape[1], x.device) else 0
@@ -130,13 +148,23 @@ def exchange_single(
     send_splits, recv_splits = list(input_splits), list(output_splits)
     send_splits[rank] -= n
     recv_splits[rank] -= n
-    _quantize_into(x, send, mode, (x_at, n))
-    work = _all_to_all(recv, send, recv_splits, send_splits, group)
+    cuts = column_cuts(x.shape[1], chunks)
+    beside = _cast_programs(x.device)
+    send_flat, recv_flat = send.view(-1), recv.view(-1)
+    pieces, at_s, at_r = [], 0, 0
+    for i, (c0, w) in enumerate(cuts):
+        row = packed_row_bytes(w)
+        s = send_flat[at_s : at_s + send.shape[0] * row].view(send.shape[0], row)
+        r = recv_flat[at_r : at_r + recv.shape[0] * row].view(recv.shape[0], row)
+        at_s, at_r = at_s + s.numel(), at_r + r.numel()
+        _quantize_into(x[:, c0 : c0 + w], s, mode, (x_at, n), None if i == 0 else beside)
+        pieces.append((_all_to_all(r, s, recv_splits, send_splits, group), r, c0, w))
     if n:
-        programs = _cast_programs(x.device)
-        _roundtrip_into(x[x_at : x_at + n], out[o_at : o_at + n], mode, programs)
-    work.wait()
-    _dequantize_into(recv, out, (o_at, n))
+        _roundtrip_into(x[x_at : x_at + n], out[o_at : o_at + n], mode, beside)
+    for i, (work, r, c0, w) in enumerate(pieces):
+        work.wait()
+        last = i == len(pieces) - 1
+        _dequantize_into(r, out[:, c0 : c0 + w], (o_at, n), None if last else beside)
     return out
 
 

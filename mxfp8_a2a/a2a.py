@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from ._common import check_float_input, check_scaling_mode
-from ._exchange import exchange_pipelined, exchange_single
+from ._exchange import exchange_columns, exchange_pipelined
 from .dequantize import dequantize_packed
 from .quantize import quantize_packed
 
@@ -139,12 +139,13 @@ def _exchange(
     scaling_mode: str,
     chunks: int | None,
 ) -> torch.Tensor:
-    """Eager: chunks == 1 -> exchange_single, else exchange_pipelined (None means 1 on CPU).
+    """Eager: chunks == 1 -> exchange_columns, else exchange_pipelined (None means 1 on CPU).
     Under torch.compile: quantize_packed -> one functional all_to_all_single of uint8 rows ->
     dequantize_packed (the kept rows go through the wire too; same results)."""
     if not torch.compiler.is_compiling():
-        if chunks == 1 or (chunks is None and x.device.type != "cuda"):
-            return exchange_single(x, output_splits, input_splits, group, scaling_mode)
+        if chunks is not None or x.device.type != "cuda":
+            c = chunks or 1
+            return exchange_columns(x, output_splits, input_splits, group, scaling_mode, c)
         return exchange_pipelined(x, output_splits, input_splits, group, scaling_mode, chunks)
     packed = quantize_packed(x, scaling_mode=scaling_mode)
     recv = funcol.all_to_all_single(packed, output_splits, input_splits, group or dist.group.WORLD)
