@@ -1,25 +1,19 @@
-"""How the MXFP8 exchange moves rows: one collective, or a pipeline of point-to-point steps.
+"""How the MXFP8 exchange moves rows: one all_to_all_single per column piece.
 
-Both paths send only the rows that leave the rank, packed (uint8 rows [K e4m3 bytes | K/32
-scale bytes]); the rows a rank keeps go through the round-trip kernel straight into their
-place in the output while the others are on the wire. Results are bit for bit
-dequantize(quantize(row)) for every row, whichever path runs.
+Only the rows that leave the rank go on the wire, packed (uint8 rows [w e4m3 bytes | w/32
+scale bytes | padding to 16 bytes] for a piece of w columns); the rows a rank keeps go
+through the round-trip kernel straight into their place in the output while the others are
+on the wire. Results are bit for bit dequantize(quantize(row)) for every row, whatever the
+number of pieces.
 
-- :func:`exchange_single` (chunks=1): quantize the outgoing rows, start one all_to_all_single
-  (self split 0), round-trip the kept rows meanwhile, wait, dequantize.
-- :func:`exchange_pipelined` (chunks > 1 or None): the outgoing rows of each (sender,
-  receiver) pair are cut into chunks; step by step (peers in ring order: send to rank + j,
-  receive from rank - j) one chunk is quantized, sent with one batch of isend/irecv, and
-  dequantized on a side stream while the next is quantized and sent. Every chunk is a
-  contiguous range of rows, so each step is one kernel each way and no tables.
-
-On CPU (gloo) the same steps run with the torch references in place of the kernels.
+With several pieces the collective of piece i runs while piece i + 1 is quantized and piece
+i - 1 dequantized. On CPU (gloo) the same steps run with the torch references in place of
+the kernels.
 """
 
 from __future__ import annotations
 
 import functools
-from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -38,7 +32,7 @@ from .roundtrip import quantize_dequantize_reference
 
 
 def _quantize_into(x, buf, mode, gap=(0, 0), programs=None) -> None:
-    """buf (uint8 [M - gap[1], K + K/32]) <- packed rows of x [M, K], rows [at, at + n) cut."""
+    """buf (uint8 [M - gap[1], >= K + K/32]) <- packed rows of x [M, K], rows [at, at + n) cut."""
     k = x.shape[1]
     if x.device.type == "cuda":
         row = buf.stride(0)
@@ -46,7 +40,7 @@ def _quantize_into(x, buf, mode, gap=(0, 0), programs=None) -> None:
         return
     at, n = gap
     rows = torch.cat([x[:at], x[at + n :]]) if n else x
-    buf.copy_(pack(*quantize_reference(rows, mode)))
+    buf[:, : packed_row_bytes(k)].copy_(pack(*quantize_reference(rows, mode)))
 
 
 def _dequantize_into(buf, out, gap=(0, 0), programs=None) -> None:
@@ -56,7 +50,7 @@ def _dequantize_into(buf, out, gap=(0, 0), programs=None) -> None:
         _dequantize_launch(buf, buf[:, out.shape[1] :], row, row, out, gap, programs)
         return
     at, n = gap
-    y = dequantize_reference(*unpack(buf), out.dtype)
+    y = dequantize_reference(*unpack(buf[:, : packed_row_bytes(out.shape[1])]), out.dtype)
     out[:at] = y[:at]
     out[at + n :] = y[at:]
 
@@ -74,11 +68,6 @@ def _roundtrip_into(x, out, mode, programs=None) -> None:
 @functools.cache
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-@functools.cache
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    return torch.cuda.Stream(device)
 
 
 def _cast_programs(device: torch.device) -> int | None:
@@ -103,14 +92,18 @@ def keeps_local(n: int, k: int, device: torch.device) -> bool:
     return n > 0 and (device.type != "cuda" or n * k >= _config.KEEP_LOCAL_MIN_ELEMENTS)
 
 
-def _buffers(x, output_splits, n):
-    """out [sum(output_splits), K] in x's dtype, and the packed send and receive buffers
-    (uint8 rows): the outgoing (incoming) rows in x (out) order, the n kept ones cut."""
-    row = packed_row_bytes(x.shape[1])
-    out = x.new_empty((sum(output_splits), x.shape[1]))
-    send = torch.empty((x.shape[0] - n, row), dtype=torch.uint8, device=x.device)
-    recv = torch.empty((out.shape[0] - n, row), dtype=torch.uint8, device=x.device)
-    return out, send, recv
+def _wire_row(w: int) -> int:
+    """Bytes of a packed row of w columns on the wire, padded to 16 so that every row starts
+    16-byte aligned (the kernels then move 16 bytes per access)."""
+    return -(-packed_row_bytes(w) // 16) * 16
+
+
+def auto_chunks(peak_rows: int, k: int) -> int:
+    """Column pieces for an exchange whose busiest rank sends or receives peak_rows rows of
+    K columns: about PIPELINE_CHUNK_BYTES of wire bytes per piece, at most
+    PIPELINE_MAX_CHUNKS, 1 for small messages. Every rank must use the same count."""
+    wire = peak_rows * packed_row_bytes(k)
+    return max(1, min(_config.PIPELINE_MAX_CHUNKS, wire // _config.PIPELINE_CHUNK_BYTES))
 
 
 # ---------------------------------------------------------------------------- collectives
@@ -144,18 +137,21 @@ def exchange_columns(
     rank = dist.get_rank(group)
     x_at, o_at = sum(input_splits[:rank]), sum(output_splits[:rank])
     n = input_splits[rank] if keeps_local(input_splits[rank], x.shape[1], x.device) else 0
-    out, send, recv = _buffers(x, output_splits, n)
+    out = x.new_empty((sum(output_splits), x.shape[1]))
+    n_send, n_recv = x.shape[0] - n, out.shape[0] - n
     send_splits, recv_splits = list(input_splits), list(output_splits)
     send_splits[rank] -= n
     recv_splits[rank] -= n
     cuts = column_cuts(x.shape[1], chunks)
+    wire = sum(_wire_row(w) for _, w in cuts)
+    send = torch.empty(n_send * wire, dtype=torch.uint8, device=x.device)
+    recv = torch.empty(n_recv * wire, dtype=torch.uint8, device=x.device)
     beside = _cast_programs(x.device)
-    send_flat, recv_flat = send.view(-1), recv.view(-1)
     pieces, at_s, at_r = [], 0, 0
     for i, (c0, w) in enumerate(cuts):
-        row = packed_row_bytes(w)
-        s = send_flat[at_s : at_s + send.shape[0] * row].view(send.shape[0], row)
-        r = recv_flat[at_r : at_r + recv.shape[0] * row].view(recv.shape[0], row)
+        row = _wire_row(w)
+        s = send[at_s : at_s + n_send * row].view(n_send, row)
+        r = recv[at_r : at_r + n_recv * row].view(n_recv, row)
         at_s, at_r = at_s + s.numel(), at_r + r.numel()
         _quantize_into(x[:, c0 : c0 + w], s, mode, (x_at, n), None if i == 0 else beside)
         pieces.append((_all_to_all(r, s, recv_splits, send_splits, group), r, c0, w))
@@ -165,94 +161,4 @@ def exchange_columns(
         work.wait()
         last = i == len(pieces) - 1
         _dequantize_into(r, out[:, c0 : c0 + w], (o_at, n), None if last else beside)
-    return out
-
-
-# ---------------------------------------------------------------------------- pipelined
-
-
-def pair_chunks(rows: int, row_bytes: int, chunks: int | None) -> int:
-    """Chunks for a pair exchanging ``rows`` rows; ``chunks`` overrides the automatic count."""
-    if rows == 0:
-        return 0
-    if chunks is None:
-        chunks = min(_config.PIPELINE_MAX_CHUNKS, rows * row_bytes // _config.PIPELINE_CHUNK_BYTES)
-    return max(1, min(chunks, rows))
-
-
-def _cuts(start: int, rows: int, c: int) -> list[tuple[int, int]]:
-    """c contiguous (first row, rows) pieces of rows [start, start + rows)."""
-    return [(start + rows * i // c, rows * (i + 1) // c - rows * i // c) for i in range(c)]
-
-
-def make_plan(
-    in_splits: list[int], out_splits: list[int], rank: int, row_bytes: int, chunks: int | None
-) -> list[tuple[tuple[int, int, int] | None, tuple[int, int, int] | None]]:
-    """Steps of the pipeline: (send, recv), each None or (peer, first row, rows), rows of x
-    for a send and of the output for a receive. Stage j = 1 .. world-1 sends to rank + j and
-    receives from rank - j; a pair's rows are cut into pair_chunks pieces, which both ends
-    compute from the same count, so every send meets its receive in the same step."""
-    world = len(in_splits)
-    x_start = [sum(in_splits[:r]) for r in range(world)]
-    o_start = [sum(out_splits[:r]) for r in range(world)]
-    steps = []
-    for j in range(1, world):
-        dst, src = (rank + j) % world, (rank - j) % world
-        sends = _cuts(x_start[dst], in_splits[dst], pair_chunks(in_splits[dst], row_bytes, chunks))
-        recvs = _cuts(
-            o_start[src], out_splits[src], pair_chunks(out_splits[src], row_bytes, chunks)
-        )
-        for i in range(max(len(sends), len(recvs))):
-            s = (dst, *sends[i]) if i < len(sends) else None
-            r = (src, *recvs[i]) if i < len(recvs) else None
-            steps.append((s, r))
-    return steps
-
-
-def exchange_pipelined(
-    x: torch.Tensor,
-    output_splits: list[int],
-    input_splits: list[int],
-    group: dist.ProcessGroup | None,
-    mode: str,
-    chunks: int | None,
-) -> torch.Tensor:
-    """x [T, K] -> [sum(output_splits), K] through the steps of :func:`make_plan`."""
-    rank = dist.get_rank(group)
-    x_at, o_at, n = sum(input_splits[:rank]), sum(output_splits[:rank]), input_splits[rank]
-    out, send, recv = _buffers(x, output_splits, n)
-    cuda = x.device.type == "cuda"
-    main = torch.cuda.current_stream(x.device) if cuda else None
-    side = _side_stream(x.device) if cuda else None
-    on_side = (lambda: torch.cuda.stream(side)) if cuda else nullcontext
-    programs = _cast_programs(x.device)
-    if cuda:
-        side.wait_stream(main)  # out, send, recv may reuse memory main's pending work used
-    with on_side():  # kept rows: beside the whole pipeline
-        _roundtrip_into(x[x_at : x_at + n], out[o_at : o_at + n], mode, programs)
-
-    def peer(r: int) -> int:
-        return r if group is None else dist.get_global_rank(group, r)
-
-    row = send.shape[1]
-    for s, r in make_plan(input_splits, output_splits, rank, row, chunks):
-        ops, arrived = [], None
-        if s is not None:
-            dst, lo, rows = s
-            b = lo if lo < x_at else lo - n
-            _quantize_into(x[lo : lo + rows], send[b : b + rows], mode, programs=programs)
-            ops.append(dist.P2POp(dist.isend, send[b : b + rows], peer(dst), group))
-        if r is not None:
-            src, lo, rows = r
-            b = lo if lo < o_at else lo - n
-            arrived = (recv[b : b + rows], out[lo : lo + rows])
-            ops.append(dist.P2POp(dist.irecv, arrived[0], peer(src), group))
-        works = dist.batch_isend_irecv(ops)
-        with on_side():
-            for w in works:
-                w.wait()
-            if arrived is not None:
-                _dequantize_into(*arrived, programs=programs)
-    if cuda:
-        main.wait_stream(side)
     return out

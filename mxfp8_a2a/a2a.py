@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from ._common import check_float_input, check_scaling_mode
-from ._exchange import exchange_columns, exchange_pipelined
+from ._exchange import auto_chunks, exchange_columns
 from .dequantize import dequantize_packed
 from .quantize import quantize_packed
 
@@ -137,19 +137,29 @@ def _exchange(
     input_splits: list[int],
     group: dist.ProcessGroup | None,
     scaling_mode: str,
-    chunks: int | None,
+    chunks: int,
 ) -> torch.Tensor:
-    """Eager: chunks == 1 -> exchange_columns, else exchange_pipelined (None means 1 on CPU).
-    Under torch.compile: quantize_packed -> one functional all_to_all_single of uint8 rows ->
-    dequantize_packed (the kept rows go through the wire too; same results)."""
+    """Eager: exchange_columns (one collective per column piece). Under torch.compile:
+    quantize_packed -> one functional all_to_all_single of uint8 rows -> dequantize_packed
+    (the kept rows go through the wire too, one piece; same results)."""
     if not torch.compiler.is_compiling():
-        if chunks is not None or x.device.type != "cuda":
-            c = chunks or 1
-            return exchange_columns(x, output_splits, input_splits, group, scaling_mode, c)
-        return exchange_pipelined(x, output_splits, input_splits, group, scaling_mode, chunks)
+        return exchange_columns(x, output_splits, input_splits, group, scaling_mode, chunks)
     packed = quantize_packed(x, scaling_mode=scaling_mode)
     recv = funcol.all_to_all_single(packed, output_splits, input_splits, group or dist.group.WORLD)
     return dequantize_packed(funcol.wait_tensor(recv), out_dtype=x.dtype)
+
+
+def agreed_chunks(
+    rows: int, k: int, group: dist.ProcessGroup | None = None, device: torch.device | None = None
+) -> int:
+    """The automatic piece count (:func:`auto_chunks`) for the busiest rank of ``group``:
+    ``rows`` is the most rows this rank sends or receives. One all_reduce (MAX) of one
+    int and a host sync, so that every rank gets the same count."""
+    if dist.get_world_size(group) == 1:
+        return auto_chunks(rows, k)
+    t = torch.tensor([rows], dtype=torch.int64, device=device or _comm_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return auto_chunks(int(t.item()), k)
 
 
 class _MXFP8AllToAll(torch.autograd.Function):
@@ -188,14 +198,16 @@ def to_mxfp8_a2a_dequant(
         group: process group (default: the world).
         scaling_mode: "rceil" (default) or "floor".
         chunks: 1 (default) sends the outgoing rows with one all_to_all_single of packed
-            rows. None or an int > 1 pipelines the exchange: the rows of each (sender,
-            receiver) pair are cut into chunks (None: about PIPELINE_CHUNK_BYTES of wire
-            bytes each, at most PIPELINE_MAX_CHUNKS, see _config.py; an int: at most that
-            many, the same on every rank); one chunk is quantized and sent while the one
-            before is dequantized on a side stream. Either way the rows a rank sends to
+            rows. An int c > 1 pipelines the exchange: the columns are cut into
+            min(c, K/32) pieces (multiples of 32 columns), each sent with its own
+            all_to_all_single while the next piece is quantized and the one before
+            dequantized; every rank must pass the same value. None picks the count from
+            the busiest rank's wire bytes (about PIPELINE_CHUNK_BYTES per piece, at most
+            PIPELINE_MAX_CHUNKS, see _config.py; 1 for small messages), at the cost of one
+            small all_reduce and a host sync per call. Either way the rows a rank sends to
             itself skip the wire (on CUDA from KEEP_LOCAL_MIN_ELEMENTS elements up): their
-            round trip runs while the others are in flight. On CPU, None means 1;
-            torch.compile traces one collective of every row.
+            round trip runs while the others are in flight. torch.compile traces one
+            collective of every row whatever ``chunks`` is.
         validate: check, with one all_gather of 2 * group-size + 1 int64 values and a host
             sync, that the splits agree across ranks; every rank then raises the same error
             instead of hanging. Also on when the environment variable MXFP8_A2A_VALIDATE=1.
@@ -228,4 +240,7 @@ def to_mxfp8_a2a_dequant(
         _check_all_ranks(error, out_splits, in_splits, group)
     elif error is not None:
         raise error
+    if chunks is None:
+        rows = max(sum(out_splits), sum(in_splits))
+        chunks = 1 if torch.compiler.is_compiling() else agreed_chunks(rows, x.shape[1], group)
     return _MXFP8AllToAll.apply(x, out_splits, in_splits, group, scaling_mode, chunks)

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from ._exchange import auto_chunks
 from .a2a import _comm_device, to_mxfp8_a2a_dequant
 
 EXCHANGES = ("mxfp8", "bf16")
@@ -29,11 +30,13 @@ def exchange_rows(
     input_splits: list[int],
     group: dist.ProcessGroup | None,
     exchange: str,
+    chunks: int = 1,
 ) -> torch.Tensor:
-    """Differentiable all-to-all of x's rows: "mxfp8" (to_mxfp8_a2a_dequant) or "bf16"
-    (a plain all_to_all_single of x as it is, in its own dtype)."""
+    """Differentiable all-to-all of x's rows: "mxfp8" (to_mxfp8_a2a_dequant with ``chunks``
+    column pieces, the same on every rank) or "bf16" (a plain all_to_all_single of x as it
+    is, in its own dtype)."""
     if exchange == "mxfp8":
-        return to_mxfp8_a2a_dequant(x, output_splits, input_splits, group)
+        return to_mxfp8_a2a_dequant(x, output_splits, input_splits, group, chunks=chunks)
     if exchange == "bf16":
         out = funcol.all_to_all_single_autograd(
             x, output_splits, input_splits, group or dist.group.WORLD
@@ -49,7 +52,8 @@ class DispatchHandle:
     order: [T * k] (token, slot) pairs sorted by expert (stable); inverse_order: its inverse.
     regroup: [N] received rows reordered from (source rank, expert) to (expert, source
     rank); inverse_regroup: its inverse. input_splits / output_splits: rows sent to / received
-    from each rank. top_k, num_tokens: for the final sum.
+    from each rank. top_k, num_tokens: for the final sum. chunks: column pieces of the
+    MXFP8 exchanges (auto_chunks of the busiest rank's rows; the same on every rank).
     """
 
     order: torch.Tensor
@@ -61,6 +65,7 @@ class DispatchHandle:
     top_k: int
     num_tokens: int
     group: dist.ProcessGroup | None
+    chunks: int
 
 
 def _inverse(perm: torch.Tensor) -> torch.Tensor:
@@ -115,19 +120,26 @@ def dispatch(
     recv_counts = torch.empty_like(counts, device=dev)
     dist.all_to_all_single(recv_counts, counts.to(dev), group=group)  # [src, local expert]
     per_rank = recv_counts.view(world, local)
-    sizes = torch.cat([counts.to(dev).view(world, local).sum(1), per_rank.sum(1), per_rank.sum(0)])
+    # the most rows any rank sends or receives: the same piece count on every rank
+    peak = torch.maximum(counts.sum().to(dev), recv_counts.sum()).reshape(1)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+    sizes = torch.cat(
+        [counts.to(dev).view(world, local).sum(1), per_rank.sum(1), per_rank.sum(0), peak]
+    )
     sizes = sizes.tolist()  # the host sync: all_to_all_single needs the splits on the host
     input_splits, output_splits = sizes[:world], sizes[world : 2 * world]
+    chunks = auto_chunks(sizes[-1], x.shape[1])
     recv_counts = recv_counts.to(x.device)
     # received rows come as (source, expert) segments; regroup to (expert, source)
     seg = torch.repeat_interleave(torch.arange(world * local, device=x.device), recv_counts)
     key = (seg % local) * world + seg // local
     regroup = torch.sort(key, stable=True).indices
-    rows = exchange_rows(x[order // k], output_splits, input_splits, group, exchange)
+    rows = exchange_rows(x[order // k], output_splits, input_splits, group, exchange, chunks)
+    inverses = _inverse(order), _inverse(regroup)
     handle = DispatchHandle(
-        order, _inverse(order), regroup, _inverse(regroup), input_splits, output_splits, k, t, group
+        order, inverses[0], regroup, inverses[1], input_splits, output_splits, k, t, group, chunks
     )
-    return rows[regroup], sizes[2 * world :], handle
+    return rows[regroup], sizes[2 * world : 2 * world + local], handle
 
 
 def combine(
@@ -153,7 +165,9 @@ def combine(
             f"got {tuple(topk_weights.shape)}"
         )
     y = expert_y[handle.inverse_regroup]
-    back = exchange_rows(y, handle.input_splits, handle.output_splits, handle.group, exchange)
+    back = exchange_rows(
+        y, handle.input_splits, handle.output_splits, handle.group, exchange, handle.chunks
+    )
     slots = back[handle.inverse_order].view(handle.num_tokens, handle.top_k, -1)
     return (slots * topk_weights.unsqueeze(-1).to(slots.dtype)).sum(1)
 

@@ -82,10 +82,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--shape", action="append")
     p.add_argument("--calls", type=int, default=100)
+    p.add_argument("--cprofile-chunks", type=int, default=1, help="chunks of the profiled forward")
     args = p.parse_args()
     device = init_from_torchrun()
     for shape in args.shape or ["256x5120"]:
-        run_shape(shape, args.calls, device)
+        run_shape(shape, args.calls, device, args.cprofile_chunks)
     dist.destroy_process_group()
 
 
@@ -123,7 +124,7 @@ def _direct_quantize(x: torch.Tensor):
     return launch
 
 
-def run_shape(shape: str, calls: int, device: torch.device) -> None:
+def run_shape(shape: str, calls: int, device: torch.device, cprofile_chunks: int) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     tokens, dim = (int(v) for v in shape.split("x"))
     splits = [tokens // world] * world
@@ -158,6 +159,13 @@ def run_shape(shape: str, calls: int, device: torch.device) -> None:
         ),
         "mxfp8 fwd (chunks=1)": lambda: mx.to_mxfp8_a2a_dequant(x, out_splits, splits),
         "mxfp8 fwd (chunks=4)": lambda: mx.to_mxfp8_a2a_dequant(x, out_splits, splits, chunks=4),
+        "4 x alltoall_base (async)": lambda: [
+            w.wait()
+            for w in [
+                dist.group.WORLD.alltoall_base(recv, packed, out_splits, splits, _async_opts())
+                for _ in range(4)
+            ]
+        ],
     }
     rows = []
     with torch.no_grad():
@@ -172,7 +180,7 @@ def run_shape(shape: str, calls: int, device: torch.device) -> None:
     with torch.no_grad():
         prof.enable()
         for _ in range(calls):
-            mx.to_mxfp8_a2a_dequant(x, out_splits, splits)
+            mx.to_mxfp8_a2a_dequant(x, out_splits, splits, chunks=cprofile_chunks)
         prof.disable()
     torch.cuda.synchronize()
     if rank == 0:

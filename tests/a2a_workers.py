@@ -6,6 +6,7 @@ every other rank sent and check its own output bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 import resource
 
 import torch
@@ -58,6 +59,19 @@ def expected_rows(rank: int, s: list[list[int]], make, mode: str = "rceil") -> t
     return torch.cat(parts)
 
 
+@contextlib.contextmanager
+def _piece_bytes(n: int | None):
+    """PIPELINE_CHUNK_BYTES set to n (None: unchanged) for the duration."""
+    from mxfp8_a2a import _config
+
+    before = _config.PIPELINE_CHUNK_BYTES
+    _config.PIPELINE_CHUNK_BYTES = n or before
+    try:
+        yield
+    finally:
+        _config.PIPELINE_CHUNK_BYTES = before
+
+
 def exact_forward_backward(rank, world, backend, seed, k, dtype, mode):
     dev = device_for(backend)
     s = split_matrix(world, seed)
@@ -74,13 +88,20 @@ def exact_forward_backward(rank, world, backend, seed, k, dtype, mode):
     t = [[s[d][r] for d in range(world)] for r in range(world)]  # splits swapped
     want_out = expected_rows(rank, s, make_x, mode)
     want_grad = expected_rows(rank, t, make_w, mode)
-    # one collective; automatic chunking; chunk boundaries inside each pair's rows
-    for chunks in (1, None, 3, 50):
+    # one collective; automatic pieces (at the library's piece size: 1 here; at 200 bytes:
+    # counts that differ between ranks until they agree); 3 pieces; more than K/32 asked
+    for chunks in (1, None, "tiny pieces", 3, 50):
         x = make_x(rank).requires_grad_(True)
         x_before = x.detach().clone()
-        out = mx.to_mxfp8_a2a_dequant(
-            x, torch.tensor(out_splits), in_splits, scaling_mode=mode, chunks=chunks, validate=True
-        )
+        with _piece_bytes(200 if chunks == "tiny pieces" else None):
+            out = mx.to_mxfp8_a2a_dequant(
+                x,
+                torch.tensor(out_splits),
+                in_splits,
+                scaling_mode=mode,
+                chunks=None if chunks == "tiny pieces" else chunks,
+                validate=True,
+            )
         assert out.dtype == dtype and out.shape == (sum(out_splits), k)
         assert torch.equal(out.detach().cpu(), want_out), chunks
         out.backward(make_w(rank))
@@ -90,7 +111,7 @@ def exact_forward_backward(rank, world, backend, seed, k, dtype, mode):
 
 def exact_large(rank, world, backend, seed):
     """Thousands of rows per pair, K = 1024: the kept rows reach KEEP_LOCAL_MIN_ELEMENTS on
-    CUDA (round-trip kernel beside the collective); pipelined chunks of ~1000 rows."""
+    CUDA (round-trip kernel beside the collective); 3 and 7 column pieces (uneven widths)."""
     from mxfp8_a2a import _config
 
     dev = device_for(backend)
@@ -112,7 +133,7 @@ def exact_large(rank, world, backend, seed):
     t = [[s[d][r] for d in range(world)] for r in range(world)]
     want_grad = expected_rows(rank, t, make_g)
     grad = make_g(rank)
-    for chunks in (1, None, 3):
+    for chunks in (1, None, 3, 7):
         x = make_x(rank).requires_grad_(True)
         out = mx.to_mxfp8_a2a_dequant(x, out_splits, in_splits, chunks=chunks)
         assert torch.equal(out.detach().cpu(), want_out), chunks
@@ -174,6 +195,10 @@ def sqnr_vs_bf16(rank, world, backend, seed):
 def edge_cases(rank, world, backend):
     for chunks in (1, None, 2):
         _edge_cases(rank, world, backend, chunks)
+    # the automatic piece count follows the busiest rank, whatever this rank exchanges
+    rows = [0, 300_000, 3_000, 40_000][rank % 4]
+    busiest = max([0, 300_000, 3_000, 40_000][r % 4] for r in range(world))
+    assert mx.agreed_chunks(rows, 5120) == mx.auto_chunks(busiest, 5120) > 1
 
 
 def _edge_cases(rank, world, backend, chunks):

@@ -18,6 +18,10 @@ from a2a_workers import (
 )
 from dist_utils import BACKENDS, run_distributed
 
+import mxfp8_a2a as mx
+from mxfp8_a2a import _config
+from mxfp8_a2a._exchange import _wire_row, auto_chunks, column_cuts
+
 GLOO_WORLDS = [2, 3, 4]
 
 
@@ -27,6 +31,25 @@ def _worlds(backend: str) -> list[int]:
 
 def _seed() -> int:
     return random.SystemRandom().randrange(2**31)
+
+
+@pytest.mark.parametrize("k", [32, 96, 5120, 7168])
+def test_column_pieces_cover_the_row(k):
+    for chunks in (1, 2, 3, 4, 7, 8, 1000):
+        cuts = column_cuts(k, chunks)
+        assert len(cuts) == min(chunks, k // 32)
+        assert [c0 for c0, _ in cuts] == [sum(w for _, w in cuts[:i]) for i in range(len(cuts))]
+        assert sum(w for _, w in cuts) == k and all(w > 0 and w % 32 == 0 for _, w in cuts)
+        assert max(w for _, w in cuts) - min(w for _, w in cuts) <= 32
+        for _, w in cuts:
+            row = _wire_row(w)
+            assert row % 16 == 0 and 0 <= row - mx.packed_row_bytes(w) < 16
+
+
+def test_auto_chunks_grow_with_the_message():
+    counts = [auto_chunks(rows, 5120) for rows in (0, 256, 8192, 32768, 65536, 131072, 10**7)]
+    assert counts[:3] == [1, 1, 1] and counts == sorted(counts)
+    assert counts[-1] == _config.PIPELINE_MAX_CHUNKS
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
