@@ -220,9 +220,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--scaling-mode", choices=["rceil", "floor"], default="rceil")
     p.add_argument(
-        "--free-sms",
-        type=int,
-        help="tuning: SMs the casts beside a collective leave free (BESIDE_COMM_FREE_SMS)",
+        "--beside",
+        help="tuning: FREE_SMS,BLOCK_G,NUM_WARPS of the casts beside a collective"
+        " (BESIDE_COMM_* in _config.py)",
     )
     p.add_argument("--json", help="write all numbers to this JSON file (rank 0)")
     p.add_argument("--plot", help="write a PNG of speedup vs tokens (needs matplotlib)")
@@ -233,8 +233,10 @@ def main(argv: list[str] | None = None) -> None:
         except ImportError:
             p.error("--plot needs matplotlib: pip install matplotlib (or 'mxfp8_a2a[plot]')")
 
-    if args.free_sms is not None:
-        _config.BESIDE_COMM_FREE_SMS = args.free_sms
+    if args.beside:
+        free, block_g, warps = (int(v) for v in args.beside.split(","))
+        _config.BESIDE_COMM_FREE_SMS, _config.BESIDE_COMM_BLOCK_G = free, block_g
+        _config.BESIDE_COMM_NUM_WARPS = warps
     device = init_from_torchrun()
     cuda = device.type == "cuda"
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -248,7 +250,9 @@ def main(argv: list[str] | None = None) -> None:
     }
     info["NCCL_P2P_DISABLE"] = os.environ.get("NCCL_P2P_DISABLE", "0")
     info["chunks"] = [c or "auto" for c in chunk_settings]
-    info["free_sms"] = _config.BESIDE_COMM_FREE_SMS
+    info["beside"] = (
+        f"{_config.BESIDE_COMM_FREE_SMS},{_config.BESIDE_COMM_BLOCK_G},{_config.BESIDE_COMM_NUM_WARPS}"
+    )
     progress = Progress(len(shapes), enabled=rank == 0)
     results, rows = {}, []
     for text in shapes:

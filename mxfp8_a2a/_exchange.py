@@ -31,12 +31,21 @@ from .roundtrip import quantize_dequantize_reference
 # ---------------------------------------------------------------------------- casts
 
 
+def _beside(programs: int | None) -> tuple[int | None, int | None]:
+    """(block_g, num_warps) of a cast capped at ``programs`` beside a collective (None: the
+    casts' own configuration)."""
+    if programs is None:
+        return None, None
+    return _config.BESIDE_COMM_BLOCK_G, _config.BESIDE_COMM_NUM_WARPS
+
+
 def _quantize_into(x, buf, mode, gap=(0, 0), programs=None) -> None:
-    """buf (uint8 [M - gap[1], >= K + K/32]) <- packed rows of x [M, K], rows [at, at + n) cut."""
+    """buf (uint8 [M - gap[1], >= K + K/32]) <- packed rows of x [M, K], rows [at, at + n) cut;
+    programs: None, or the grid cap of a cast beside a collective."""
     k = x.shape[1]
     if x.device.type == "cuda":
         row = buf.stride(0)
-        _quantize_launch(x, buf, buf[:, k:], row, row, mode, gap, programs)
+        _quantize_launch(x, buf, buf[:, k:], row, row, mode, gap, programs, *_beside(programs))
         return
     at, n = gap
     rows = torch.cat([x[:at], x[at + n :]]) if n else x
@@ -46,8 +55,8 @@ def _quantize_into(x, buf, mode, gap=(0, 0), programs=None) -> None:
 def _dequantize_into(buf, out, gap=(0, 0), programs=None) -> None:
     """out [M, K] rows outside [at, at + n) <- dequantized packed rows buf, in order."""
     if out.device.type == "cuda":
-        row = buf.stride(0)
-        _dequantize_launch(buf, buf[:, out.shape[1] :], row, row, out, gap, programs)
+        row, k = buf.stride(0), out.shape[1]
+        _dequantize_launch(buf, buf[:, k:], row, row, out, gap, programs, *_beside(programs))
         return
     at, n = gap
     y = dequantize_reference(*unpack(buf[:, : packed_row_bytes(out.shape[1])]), out.dtype)
@@ -59,8 +68,7 @@ def _roundtrip_into(x, out, mode, programs=None) -> None:
     """out [n, K] <- dequantize(quantize(x [n, K])) in out's dtype (x's), with the launch
     configuration for casts beside a collective (BESIDE_COMM_* in _config.py)."""
     if x.device.type == "cuda":
-        block_g, warps = _config.BESIDE_COMM_BLOCK_G, _config.BESIDE_COMM_NUM_WARPS
-        _roundtrip_launch(x, out, mode, programs, block_g, warps)
+        _roundtrip_launch(x, out, mode, programs, *_beside(programs))
     else:
         out.copy_(quantize_dequantize_reference(x, mode))
 

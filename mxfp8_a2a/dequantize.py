@@ -104,12 +104,14 @@ def _launch(
     out: torch.Tensor,
     gap: tuple[int, int] = (0, 0),
     max_programs: int | None = None,
+    block_g: int | None = None,
+    num_warps: int | None = None,
 ) -> None:
     """Dequantize uint8 data/scales into out [M, K].
 
     gap: (at, n) leaves rows [at, at + n) of out untouched: M - n input rows, input row m
     landing in out row m (m < at) or m + n. max_programs caps the grid (programs loop over
-    tiles).
+    tiles); block_g (blocks of 32 per program) and num_warps override the config's values.
     """
     m, k = out.shape
     rows = m - gap[1]
@@ -117,14 +119,14 @@ def _launch(
     if n_groups <= 0:
         return
     soft = out.device.type == "cpu"
-    block_g = _config.INTERPRET_BLOCK_G if soft else _config.DEQUANTIZE_BLOCK_G
+    block_g = _config.INTERPRET_BLOCK_G if soft else block_g or _config.DEQUANTIZE_BLOCK_G
     int64 = max((rows - 1) * stride_dm + k + k // BLOCK, m * out.stride(0)) >= 2**31
     n_tiles = triton.cdiv(n_groups, block_g)
     args = (data, scales, out, n_groups, k // BLOCK, gap[0], gap[1])
     args += (stride_dm, stride_sm, out.stride(0))
     consts = {"BLOCK_G": block_g, "SOFT": soft, "INT64": int64}
     grid = min(n_tiles, max_programs or n_tiles)
-    launch(_dequantize_kernel, grid, args, consts, _config.DEQUANTIZE_NUM_WARPS)
+    launch(_dequantize_kernel, grid, args, consts, num_warps or _config.DEQUANTIZE_NUM_WARPS)
 
 
 # ---------------------------------------------------------------------------- custom ops

@@ -111,12 +111,15 @@ def _launch(
     scaling_mode: str,
     gap: tuple[int, int] = (0, 0),
     max_programs: int | None = None,
+    block_g: int | None = None,
+    num_warps: int | None = None,
 ) -> None:
     """Quantize the rows of x2d [M, K] into data/scales (uint8 views of the outputs).
 
     gap: (at, n) leaves rows [at, at + n) of x2d out: M - n output rows, output row m reading
     x2d row m (m < at) or m + n. max_programs caps the grid (programs loop over tiles),
-    leaving SMs free for communication kernels.
+    leaving SMs free for communication kernels; block_g (blocks of 32 per program) and
+    num_warps override the config's values.
     """
     m, k = x2d.shape
     rows = m - gap[1]
@@ -124,7 +127,7 @@ def _launch(
     if n_groups <= 0:
         return
     soft = x2d.device.type == "cpu"
-    block_g = _config.INTERPRET_BLOCK_G if soft else _config.QUANTIZE_BLOCK_G
+    block_g = _config.INTERPRET_BLOCK_G if soft else block_g or _config.QUANTIZE_BLOCK_G
     in_extent = (m - 1) * x2d.stride(0) + (k - 1) * x2d.stride(1) + 1
     int64 = _needs_int64(in_extent, (rows - 1) * stride_dm + k + k // 32)
     n_tiles = triton.cdiv(n_groups, block_g)
@@ -138,7 +141,7 @@ def _launch(
         "INT64": int64,
     }
     grid = min(n_tiles, max_programs or n_tiles)
-    launch(_quantize_kernel, grid, args, consts, _config.QUANTIZE_NUM_WARPS)
+    launch(_quantize_kernel, grid, args, consts, num_warps or _config.QUANTIZE_NUM_WARPS)
 
 
 @functools.cache

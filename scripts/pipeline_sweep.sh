@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sweep the exchange's chunk count on a GPU node (NVLink, then NCCL through host memory),
-# then the SMs left free beside the collectives (FREE_SMS, default "48 64").
+# then configurations of the casts beside the collectives (BESIDE: FREE_SMS,BLOCK_G,NUM_WARPS
+# each, default "48,256,8 64,256,8"; see scripts/tune_beside.py).
 #   scripts/pipeline_sweep.sh OUTDIR
 set -uo pipefail
 out=${1:?usage: scripts/pipeline_sweep.sh OUTDIR}
@@ -14,7 +15,7 @@ bench $shapes --chunks 1 --chunks 2 --chunks 4 --chunks 8 --chunks auto --json "
   > "$out/sweep.txt"
 NCCL_P2P_DISABLE=1 bench --shape 8192x5120 --shape 131072x5120 --chunks 1 --chunks 2 --chunks 4 \
   --chunks 8 --json "$out/p2p.json" > "$out/p2p.txt"
-for f in ${FREE_SMS:-48 64}; do
-  bench --shape 131072x5120 --chunks 1 --chunks 4 --free-sms "$f" > "$out/free_sms_$f.txt"
+for b in ${BESIDE:-48,256,8 64,256,8}; do
+  bench --shape 131072x5120 --chunks 1 --chunks 4 --beside "$b" > "$out/beside_$b.txt"
 done
-tail -80 "$out/sweep.txt"; tail -30 "$out/p2p.txt"; grep -h "131072x5120" "$out"/free_sms_*.txt
+tail -80 "$out/sweep.txt"; tail -30 "$out/p2p.txt"; grep -h "131072x5120" "$out"/beside_*.txt
