@@ -22,18 +22,21 @@ INTERPRET_BLOCK_G = 16
 # round-trip kernel, overlapped with the collective) from this many elements up; below it
 # the extra launch (~15-20 us of host time) costs more than the GPU time it saves.
 KEEP_LOCAL_MIN_ELEMENTS = 4 << 20
-# Casts that run beside communication kernels (the kept rows' round trip, the pipeline's
-# chunk casts) must leave whole SMs free for NCCL: a NCCL block takes (nearly) a whole SM's
+# Casts that run beside communication kernels (the kept rows' round trip, the column
+# pieces' casts) must leave whole SMs free for NCCL: a NCCL block takes (nearly) a whole SM's
 # registers, so it cannot start on an SM where any cast program is resident. Measured on
 # 2x H200, 131072x5120 (torch.profiler timeline, BENCHMARKS.md): with a full grid, with
 # 2 programs/SM of 256 blocks and with 4 programs/SM of 64 blocks alike, the NCCL kernel
 # started only as the round trip's programs retired. So the casts beside a collective run
-# one program per SM on all but BESIDE_COMM_FREE_SMS of them.
-BESIDE_COMM_FREE_SMS = 32
-BESIDE_COMM_BLOCK_G = 256
-BESIDE_COMM_NUM_WARPS = 8
-# Pipelined exchange: rows a (sender, receiver) pair exchanges are cut into chunks of about
-# PIPELINE_CHUNK_BYTES wire bytes, at most PIPELINE_MAX_CHUNKS.
+# one program per SM on all but BESIDE_COMM_FREE_SMS of them, each program large enough to
+# keep that SM's memory pipe busy: scripts/tune_beside.py on an H200 (100 programs): 1024
+# blocks and 32 warps moved 2.8-3.0 TB/s (quantize, round trip), 256 blocks and 8 warps
+# 1.4-2.1 TB/s; 48 free SMs measured best of 32/48/64 in the exchange (bench_a2a --beside).
+BESIDE_COMM_FREE_SMS = 48
+BESIDE_COMM_BLOCK_G = 1024
+BESIDE_COMM_NUM_WARPS = 32
+# Automatic column pieces of the exchange (chunks=None): about PIPELINE_CHUNK_BYTES of wire
+# bytes of the busiest rank per piece, at most PIPELINE_MAX_CHUNKS.
 PIPELINE_CHUNK_BYTES = 64 << 20
 PIPELINE_MAX_CHUNKS = 8
 
