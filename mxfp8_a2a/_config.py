@@ -36,8 +36,11 @@ BESIDE_COMM_FREE_SMS = 48
 BESIDE_COMM_BLOCK_G = 1024
 BESIDE_COMM_NUM_WARPS = 32
 # Automatic column pieces of the exchange (chunks=None): about PIPELINE_CHUNK_BYTES of wire
-# bytes of the busiest rank per piece, at most PIPELINE_MAX_CHUNKS.
-PIPELINE_CHUNK_BYTES = 64 << 20
+# bytes of the busiest rank per piece, at most PIPELINE_MAX_CHUNKS. On 2x H200 no measured
+# size gained from pieces (NVLink: 2 pieces tied 1 at 131072x5120 and 4 or 8 lost; through
+# host memory all counts tied; BENCHMARKS.md), so a piece is 1 GiB: one piece up to
+# ~200000 rows of 5120.
+PIPELINE_CHUNK_BYTES = 1 << 30
 PIPELINE_MAX_CHUNKS = 8
 
 # Per-group FP8 scaling (mxfp8_a2a/per_group_scales.py). A program holds one tile of

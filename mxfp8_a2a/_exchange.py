@@ -155,18 +155,22 @@ def exchange_columns(
     send = torch.empty(n_send * wire, dtype=torch.uint8, device=x.device)
     recv = torch.empty(n_recv * wire, dtype=torch.uint8, device=x.device)
     beside = _cast_programs(x.device)
+
+    def columns(t: torch.Tensor, c0: int, w: int) -> torch.Tensor:
+        return t if w == t.shape[1] else t[:, c0 : c0 + w]
+
     pieces, at_s, at_r = [], 0, 0
     for i, (c0, w) in enumerate(cuts):
         row = _wire_row(w)
         s = send[at_s : at_s + n_send * row].view(n_send, row)
         r = recv[at_r : at_r + n_recv * row].view(n_recv, row)
         at_s, at_r = at_s + s.numel(), at_r + r.numel()
-        _quantize_into(x[:, c0 : c0 + w], s, mode, (x_at, n), None if i == 0 else beside)
+        _quantize_into(columns(x, c0, w), s, mode, (x_at, n), None if i == 0 else beside)
         pieces.append((_all_to_all(r, s, recv_splits, send_splits, group), r, c0, w))
     if n:
         _roundtrip_into(x[x_at : x_at + n], out[o_at : o_at + n], mode, beside)
     for i, (work, r, c0, w) in enumerate(pieces):
         work.wait()
         last = i == len(pieces) - 1
-        _dequantize_into(r, out[:, c0 : c0 + w], (o_at, n), None if last else beside)
+        _dequantize_into(r, columns(out, c0, w), (o_at, n), None if last else beside)
     return out

@@ -196,8 +196,8 @@ def edge_cases(rank, world, backend):
     for chunks in (1, None, 2):
         _edge_cases(rank, world, backend, chunks)
     # the automatic piece count follows the busiest rank, whatever this rank exchanges
-    rows = [0, 300_000, 3_000, 40_000][rank % 4]
-    busiest = max([0, 300_000, 3_000, 40_000][r % 4] for r in range(world))
+    rows = [0, 3_000_000, 3_000, 400_000][rank % 4]
+    busiest = max([0, 3_000_000, 3_000, 400_000][r % 4] for r in range(world))
     assert mx.agreed_chunks(rows, 5120) == mx.auto_chunks(busiest, 5120) > 1
 
 
