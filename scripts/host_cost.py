@@ -153,6 +153,10 @@ def run_shape(shape: str, calls: int, device: torch.device, cprofile_chunks: int
         "quantize + a2a": lambda: dist.all_to_all_single(
             recv, quantize_packed(x), out_splits, splits
         ),
+        "torch copy + a2a": lambda: (
+            packed.copy_(recv),
+            dist.all_to_all_single(recv, packed, out_splits, splits),
+        ),
         "a2a + dequantize": lambda: (
             dist.all_to_all_single(recv, packed, out_splits, splits),
             dequantize_packed(recv),
