@@ -16,6 +16,6 @@ bench $shapes --chunks 1 --chunks 2 --chunks 4 --chunks 8 --chunks auto --json "
 NCCL_P2P_DISABLE=1 bench --shape 8192x5120 --shape 131072x5120 --chunks 1 --chunks 2 --chunks 4 \
   --chunks 8 --json "$out/p2p.json" > "$out/p2p.txt"
 for b in ${BESIDE:-48,256,8 64,256,8}; do
-  bench --shape 131072x5120 --chunks 1 --chunks 4 --beside "$b" > "$out/beside_$b.txt"
+  bench --shape 131072x5120 --chunks 1 --chunks 4 --beside "$b" > "$out/beside_${b//,/_}.txt"
 done
 tail -80 "$out/sweep.txt"; tail -30 "$out/p2p.txt"; grep -h "131072x5120" "$out"/beside_*.txt
