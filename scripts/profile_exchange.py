@@ -3,9 +3,9 @@
     torchrun --nproc-per-node=2 scripts/profile_exchange.py --shape 131072x5120 --chunks 4 --out DIR
 
 Runs warm-up calls, then profiles a few forward+backward calls with torch.profiler (CPU and
-CUDA activities), prints the top operators by self CPU time and by CUDA time on rank 0,
-and writes a Chrome trace per rank (DIR/trace_rank{r}.json). Built to find the fixed cost
-per pipeline step that BENCHMARKS.md reports.
+CUDA activities), writes a Chrome trace per rank (DIR/trace_rank{r}.json; DIR must be one
+folder all ranks see), and on rank 0 prints the GPU timeline of the last call of every rank
+on one clock, then the top operators by self CPU time and by CUDA time.
 """
 
 from __future__ import annotations
@@ -22,27 +22,34 @@ import mxfp8_a2a as mx
 from mxfp8_a2a._launch import init_from_torchrun
 
 
-def print_timeline(trace_path: str) -> None:
-    """GPU kernels of the last profiled call (after the last cudaDeviceSynchronize-free gap):
-    start and end in us from the first kernel of that call, stream, name."""
-    with open(trace_path) as f:
-        events = json.load(f)["traceEvents"]
-    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: float(e["ts"]))
-    # calls are separated by the barrier-free host loop; take the kernels of the last call:
-    # from the last quantize kernel that starts a forward (the first of the last 2 * per_call)
-    per_call = len(kernels) // max(1, CALLS)
-    last = kernels[-per_call:]
-    t0 = float(last[0]["ts"])
-    print(f"GPU timeline of the last call ({per_call} kernels), us:")
-    for e in last:
-        start = float(e["ts"]) - t0
+def print_timeline(trace_paths: list[str], calls: int) -> None:
+    """GPU kernels of the last profiled call on every rank, on one clock (the traces of one
+    host share it): start and end in us from the earliest first kernel of that call, rank,
+    stream, name. Shows whether a collective waits for a peer that started it later."""
+    rows, firsts = [], []
+    for rank, path in enumerate(trace_paths):
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+        kernels = sorted(
+            (e for e in events if e.get("cat") == "kernel"), key=lambda e: float(e["ts"])
+        )
+        per_call = len(kernels) // max(1, calls)
+        if per_call == 0:
+            continue
+        last = kernels[-per_call:]
+        firsts.append(float(last[0]["ts"]))
+        rows += [(float(e["ts"]), float(e["dur"]), rank, e) for e in last]
+    if not rows:
+        print("no GPU kernels in the traces")
+        return
+    t0 = min(firsts)
+    print(f"GPU timeline of the last call ({len(rows) // len(firsts)} kernels per rank), us:")
+    for ts, dur, rank, e in sorted(rows, key=lambda r: r[0]):
+        start = ts - t0
         print(
-            f"{start:9.1f} {start + float(e['dur']):9.1f}  stream {e['args'].get('stream')}"
+            f"{start:9.1f} {start + dur:9.1f}  rank {rank} stream {e['args'].get('stream')}"
             f"  {e['name'][:60]}"
         )
-
-
-CALLS = 5
 
 
 def main() -> None:
@@ -51,7 +58,7 @@ def main() -> None:
     )
     p.add_argument("--shape", default="8192x5120", help="TOKENSxDIM per rank")
     p.add_argument("--chunks", default="1", help="an int, or 'auto'")
-    p.add_argument("--calls", type=int, default=CALLS)
+    p.add_argument("--calls", type=int, default=5)
     p.add_argument("--out", default="profile_out")
     p.add_argument(
         "--cold", action="store_true", help="forward only, each after a barrier and a sync"
@@ -90,8 +97,10 @@ def main() -> None:
             torch.cuda.synchronize()
     os.makedirs(args.out, exist_ok=True)
     prof.export_chrome_trace(os.path.join(args.out, f"trace_rank{rank}.json"))
+    dist.barrier()
     if rank == 0:
-        print_timeline(os.path.join(args.out, f"trace_rank{rank}.json"))
+        paths = [os.path.join(args.out, f"trace_rank{r}.json") for r in range(world)]
+        print_timeline(paths, args.calls)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
         if device.type == "cuda":
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
