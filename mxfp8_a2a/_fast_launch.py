@@ -16,6 +16,7 @@ Kernels under the interpreter (TRITON_INTERPRET=1) go through ``kernel[grid](...
 from __future__ import annotations
 
 import torch
+import triton
 
 from ._common import interpreted
 
@@ -50,3 +51,12 @@ def launch(kernel, grid: int, args: tuple, consts: dict, num_warps: int) -> None
         return
     stream = torch.cuda.current_stream(device).cuda_stream
     compiled[(grid, 1, 1)](*args, *consts.values(), stream=stream)
+
+
+def launch_tiles(
+    kernel, n_groups: int, args: tuple, consts: dict, num_warps: int, max_programs: int | None
+) -> None:
+    """:func:`launch` a cast kernel over cdiv(n_groups, consts["BLOCK_G"]) tiles of blocks of
+    32, on at most ``max_programs`` programs (None: one per tile); programs loop over tiles."""
+    n_tiles = triton.cdiv(n_groups, consts["BLOCK_G"])
+    launch(kernel, min(n_tiles, max_programs or n_tiles), args, consts, num_warps)

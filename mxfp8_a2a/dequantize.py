@@ -13,7 +13,7 @@ import triton.language as tl
 
 from . import _config
 from ._common import BLOCK, block_count, check_out_dtype, resolve_backend
-from ._fast_launch import launch
+from ._fast_launch import launch_tiles
 from ._jit_math import block_tile, mx_dequantize_blocks, skip_gap, store_float
 from .packing import k_from_packed_row_bytes, unpack
 
@@ -121,12 +121,11 @@ def _launch(
     soft = out.device.type == "cpu"
     block_g = _config.INTERPRET_BLOCK_G if soft else block_g or _config.DEQUANTIZE_BLOCK_G
     int64 = max((rows - 1) * stride_dm + k + k // BLOCK, m * out.stride(0)) >= 2**31
-    n_tiles = triton.cdiv(n_groups, block_g)
     args = (data, scales, out, n_groups, k // BLOCK, gap[0], gap[1])
     args += (stride_dm, stride_sm, out.stride(0))
     consts = {"BLOCK_G": block_g, "SOFT": soft, "INT64": int64}
-    grid = min(n_tiles, max_programs or n_tiles)
-    launch(_dequantize_kernel, grid, args, consts, num_warps or _config.DEQUANTIZE_NUM_WARPS)
+    warps = num_warps or _config.DEQUANTIZE_NUM_WARPS
+    launch_tiles(_dequantize_kernel, n_groups, args, consts, warps, max_programs)
 
 
 # ---------------------------------------------------------------------------- custom ops

@@ -22,7 +22,7 @@ from ._common import (
     check_scaling_mode,
     resolve_backend,
 )
-from ._fast_launch import launch
+from ._fast_launch import launch_tiles
 from ._jit_math import block_tile, mx_quantize_blocks, skip_gap, to_fp32
 from .packing import pack, packed_row_bytes
 
@@ -130,7 +130,6 @@ def _launch(
     block_g = _config.INTERPRET_BLOCK_G if soft else block_g or _config.QUANTIZE_BLOCK_G
     in_extent = (m - 1) * x2d.stride(0) + (k - 1) * x2d.stride(1) + 1
     int64 = _needs_int64(in_extent, (rows - 1) * stride_dm + k + k // 32)
-    n_tiles = triton.cdiv(n_groups, block_g)
     args = (x2d, data, scales, n_groups, k // BLOCK, gap[0], gap[1])
     args += (x2d.stride(0), x2d.stride(1), stride_dm, stride_sm)
     consts = {
@@ -140,8 +139,8 @@ def _launch(
         "HW_E8M0": not soft and _capability(x2d.device) >= 10,
         "INT64": int64,
     }
-    grid = min(n_tiles, max_programs or n_tiles)
-    launch(_quantize_kernel, grid, args, consts, num_warps or _config.QUANTIZE_NUM_WARPS)
+    warps = num_warps or _config.QUANTIZE_NUM_WARPS
+    launch_tiles(_quantize_kernel, n_groups, args, consts, warps, max_programs)
 
 
 @functools.cache

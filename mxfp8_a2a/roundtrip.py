@@ -14,7 +14,7 @@ import triton.language as tl
 
 from . import _config
 from ._common import BLOCK, block_count, check_float_input, check_scaling_mode, resolve_backend
-from ._fast_launch import launch
+from ._fast_launch import launch_tiles
 from ._jit_math import block_tile, mx_dequantize_blocks, mx_quantize_blocks, store_float, to_fp32
 from .dequantize import dequantize_reference
 from .quantize import _capability, _needs_int64, quantize_reference
@@ -79,9 +79,8 @@ def _launch(
         "HW_E8M0": not soft and _capability(x2d.device) >= 10,
         "INT64": _needs_int64(in_extent, m * out.stride(0)),
     }
-    n_tiles = triton.cdiv(n_groups, block_g)
-    grid = min(n_tiles, max_programs or n_tiles)
-    launch(_roundtrip_kernel, grid, args, consts, num_warps or _config.ROUNDTRIP_NUM_WARPS)
+    warps = num_warps or _config.ROUNDTRIP_NUM_WARPS
+    launch_tiles(_roundtrip_kernel, n_groups, args, consts, warps, max_programs)
 
 
 def _roundtrip_impl(x: torch.Tensor, scaling_mode: str) -> torch.Tensor:
