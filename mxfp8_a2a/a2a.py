@@ -1,8 +1,8 @@
 """The MXFP8 all-to-all: quantize, one exchange of packed rows, dequantize; and its backward.
 
-Layers: ``_exchange`` (eager: _exchange.py's single-collective or pipelined path; traced by
-torch.compile: quantize_packed -> functional all_to_all_single -> dequantize_packed) ->
-``_MXFP8AllToAll`` (autograd) -> ``to_mxfp8_a2a_dequant``.
+Layers: ``_exchange`` (eager: _exchange.exchange_columns, one collective per column piece;
+traced by torch.compile: quantize_packed -> functional all_to_all_single ->
+dequantize_packed) -> ``_MXFP8AllToAll`` (autograd) -> ``to_mxfp8_a2a_dequant``.
 """
 
 from __future__ import annotations
