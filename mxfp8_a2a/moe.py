@@ -117,15 +117,14 @@ def dispatch(
     if counts.numel() != num_experts:
         raise ValueError(f"topk_ids holds expert ids >= num_experts ({num_experts})")
     dev = _comm_device(group)
-    recv_counts = torch.empty_like(counts, device=dev)
-    dist.all_to_all_single(recv_counts, counts.to(dev), group=group)  # [src, local expert]
+    sent = counts.to(dev)
+    recv_counts = torch.empty_like(sent)
+    dist.all_to_all_single(recv_counts, sent, group=group)  # [src, local expert]
     per_rank = recv_counts.view(world, local)
     # the most rows any rank sends or receives: the same piece count on every rank
-    peak = torch.maximum(counts.sum().to(dev), recv_counts.sum()).reshape(1)
+    peak = torch.maximum(sent.sum(), recv_counts.sum()).reshape(1)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-    sizes = torch.cat(
-        [counts.to(dev).view(world, local).sum(1), per_rank.sum(1), per_rank.sum(0), peak]
-    )
+    sizes = torch.cat([sent.view(world, local).sum(1), per_rank.sum(1), per_rank.sum(0), peak])
     sizes = sizes.tolist()  # the host sync: all_to_all_single needs the splits on the host
     input_splits, output_splits = sizes[:world], sizes[world : 2 * world]
     chunks = auto_chunks(sizes[-1], x.shape[1])
