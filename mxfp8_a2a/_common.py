@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 SCALING_MODES = ("rceil", "floor")
@@ -71,3 +73,9 @@ def block_count(rows: int, k: int, name: str) -> int:
     if n >= 2**31:
         raise ValueError(f"{name} has {n} blocks of 32; at most 2**31 - 1 are supported")
     return n
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (cached)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count

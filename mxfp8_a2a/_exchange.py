@@ -13,13 +13,11 @@ the kernels.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.distributed as dist
 
 from . import _config
-from ._common import BLOCK
+from ._common import BLOCK, sm_count
 from .dequantize import _launch as _dequantize_launch
 from .dequantize import dequantize_reference
 from .packing import pack, packed_row_bytes, unpack
@@ -73,16 +71,11 @@ def _roundtrip_into(x, out, mode, programs=None) -> None:
         out.copy_(quantize_dequantize_reference(x, mode))
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _cast_programs(device: torch.device) -> int | None:
     """Grid cap for casts that run beside communication kernels (None: no cap)."""
     if device.type != "cuda":
         return None
-    return max(_sm_count(device) - _config.BESIDE_COMM_FREE_SMS, 1)
+    return max(sm_count(device) - _config.BESIDE_COMM_FREE_SMS, 1)
 
 
 def _all_to_all(out, inp, out_splits, in_splits, group) -> dist.Work:

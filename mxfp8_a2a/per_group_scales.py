@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from . import _config
-from ._common import resolve_backend
+from ._common import resolve_backend, sm_count
 from ._jit_math import fp32_to_e4m3_bits, to_fp32
 
 EPS = 1e-12
@@ -224,8 +224,7 @@ def _per_group_kernel(
 def _n_programs(device: torch.device, tiling: _config.GroupTiling) -> int:
     if device.type != "cuda":
         return 4  # the interpreter runs programs one after another
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return sms * tiling.programs_per_sm
+    return sm_count(device) * tiling.programs_per_sm
 
 
 def _per_group_triton(
