@@ -28,7 +28,9 @@ def resolve_backend(backend: str, device: torch.device, kernel) -> str:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
         return "triton" if device.type == "cuda" else "torch"
-    if backend == "triton":
+    # Under torch.compile the kernel object cannot be inspected; a misconfigured setup then
+    # fails at the launch instead of here.
+    if backend == "triton" and not torch.compiler.is_compiling():
         if device.type == "cpu" and not interpreted(kernel):
             raise RuntimeError(
                 "backend='triton' got CPU tensors, but Triton kernels run on CPU only in "

@@ -43,17 +43,32 @@ BESIDE_COMM_NUM_WARPS = 32
 PIPELINE_CHUNK_BYTES = 1 << 30
 PIPELINE_MAX_CHUNKS = 8
 
-# Per-group FP8 scaling (mxfp8_a2a/per_group_scales.py). A program holds one tile of
-# ``tile`` elements in registers: the whole group along the group axis (a power of two from
-# ``min_group`` up) times tile / that along the other axis, down to ``tile >> (n_classes - 1)
-# // min_group`` indices of the other axis (columns for colwise: at least 16 so that reads of
-# a row-major x stay coalesced). Longer groups loop in [loop_other, loop_group] tiles.
-# The grid is programs_per_sm per multiprocessor; programs stride over the work items.
-# Best of scripts/tune_per_group.py on an H200 (torch 2.11, triton 3.6), x (16640, 8192)
-# bf16 with 1/16/64 groups; table in BENCHMARKS.md.
+# Per-group FP8 scaling (mxfp8_a2a/per_group_scales.py), see the kernels' comments there.
+# Rowwise, row-block kernel: a work item is (block_other rows, one group); its tiles span the
+# whole group along the columns (a power of two from ``min_group`` to ``min_group <<
+# (n_classes - 1)``) times ``tile`` / that rows (at most block_other); wider groups loop
+# over the largest class's tile. The launcher halves block_other for small inputs so that
+# every program gets several items. Grid: programs_per_sm per multiprocessor.
+# Colwise, group-item kernel: a program holds one tile of ``tile`` elements: the whole group
+# along the rows (a power of two from ``min_group`` up) times tile / that columns, down to
+# ``tile >> (n_classes - 1) // min_group`` columns (at least 16 so that reads of a row-major
+# x stay coalesced); longer groups loop in [loop_other, loop_group] tiles.
+# Values: best of scripts/tune_per_group.py on an H200 (torch 2.11, triton 3.6), x (16640,
+# 8192) bf16 with 1/16/64 groups; tables in BENCHMARKS.md. The row-block kernel with the
+# colwise layout measured 312/468/486 us at best against 348/363/347 for the group-item
+# kernel, so colwise keeps the latter.
 
 
-class GroupTiling(NamedTuple):
+class RowBlockTiling(NamedTuple):
+    tile: int
+    block_other: int
+    min_group: int
+    n_classes: int
+    num_warps: int
+    programs_per_sm: int
+
+
+class GroupItemTiling(NamedTuple):
     tile: int
     min_group: int
     n_classes: int
@@ -63,21 +78,20 @@ class GroupTiling(NamedTuple):
     programs_per_sm: int
 
 
-ROWWISE_TILING = GroupTiling(
-    tile=8192, min_group=32, n_classes=9, loop_other=1, loop_group=8192, num_warps=4,
-    programs_per_sm=2,
-)  # fmt: skip
-COLWISE_TILING = GroupTiling(
+ROWWISE_TILING = RowBlockTiling(
+    tile=8192, block_other=64, min_group=32, n_classes=9, num_warps=8, programs_per_sm=2
+)
+COLWISE_TILING = GroupItemTiling(
     tile=16384, min_group=16, n_classes=7, loop_other=16, loop_group=512, num_warps=4,
     programs_per_sm=4,
 )  # fmt: skip
 # The interpreter (CPU tests): few classes, so that tests of a few hundred rows run every
 # class and the loop; large tiles, as its cost is per operation.
-INTERPRET_ROWWISE_TILING = GroupTiling(1024, 16, 4, 8, 64, 4, 1)
-INTERPRET_COLWISE_TILING = GroupTiling(1024, 8, 4, 16, 32, 4, 1)
+INTERPRET_ROWWISE_TILING = RowBlockTiling(1024, 16, 16, 4, 4, 1)
+INTERPRET_COLWISE_TILING = GroupItemTiling(1024, 8, 4, 16, 32, 4, 1)
 
 
-def per_group_tiling(group_dim: int, interpreted: bool) -> GroupTiling:
+def per_group_tiling(group_dim: int, interpreted: bool) -> RowBlockTiling | GroupItemTiling:
     """Tiling for groups along dim ``group_dim`` (1: rowwise scales, 0: colwise)."""
     if interpreted:
         return INTERPRET_ROWWISE_TILING if group_dim == 1 else INTERPRET_COLWISE_TILING

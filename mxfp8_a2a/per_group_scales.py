@@ -6,7 +6,8 @@ division in float64 rounded to float32 (optionally rounded down to a power of tw
 data = clamp(x * scale, -448, 448) in fp32, cast to e4m3 (NaN stays NaN). An empty group
 gets scale fp32(448 / 1e-12).
 
-Layers: one Triton kernel (``_per_group_kernel``, both layouts) -> launcher -> custom op
+Layers: Triton kernels (``_row_block_kernel`` for rowwise, ``_group_item_kernel`` for
+colwise) -> launcher -> custom op
 -> ``per_group_colwise_scales`` / ``per_group_rowwise_scales``. ``*_reference`` loop over
 groups in plain torch.
 """
@@ -22,7 +23,11 @@ from ._common import resolve_backend, sm_count
 from ._jit_math import fp32_to_e4m3_bits, to_fp32
 
 EPS = 1e-12
+SCALE_AT_EPS = tl.constexpr(
+    float(torch.tensor(448.0 / EPS, dtype=torch.float32))
+)  # fp32(448 / 1e-12)
 _METHODS = ("auto", "direct", "transpose")
+ITEMS_PER_PROGRAM = 4  # work items per program at least, for balance (see _grid)
 
 # ---------------------------------------------------------------------------- reference
 
@@ -74,21 +79,29 @@ def per_group_rowwise_reference(
 
 # ---------------------------------------------------------------------------- kernels
 #
-# One kernel serves both layouts. Axes: the "group" axis (the one ``offs`` cuts: columns for
-# rowwise, rows for colwise) and the "other" axis (one scale per index of it). A program
-# takes one (group, tile) work item and keeps a tile of TILE elements in registers, so x is
-# read from memory once: the tile spans the whole group along the group axis (the power of
-# two >= the group's extent, at least MIN_GROUP: its "size class") and TILE / that along
-# the other axis. Groups longer than the largest class fall to a loop over the group in
-# [LOOP_OTHER, LOOP_GROUP] tiles: an amax pass, then a second read for the data.
+# Both kernels see x as [other, group] through strides: the "group" axis is the one ``offs``
+# cuts (columns for rowwise, rows for colwise), the "other" axis has one scale per index.
+#
+# Rowwise (``_row_block_kernel``, groups along the contiguous axis): a work item is (block of
+# BLOCK indices of the other axis, group); programs stride over the items, and an item reads
+# its group's bounds with two scalar loads (one item ahead). The item's tiles span the whole
+# group along the group axis: the power of two >= the group's extent, at least MIN_GROUP (its
+# "size class"), times TILE / that (at most BLOCK) along the other axis; each is loaded once,
+# kept in registers, reduced and written. Groups longer than the largest class take that
+# class's tile in a loop: an amax pass, then a second pass over the same bytes.
 
 
 @triton.jit
 def _scales(amax_bits, ROUND_POW2: tl.constexpr):
-    """fp32 448 / max(amax, 1e-12) with the division in fp64 (NaN amax gives NaN)."""
-    a = amax_bits.to(tl.float32, bitcast=True).to(tl.float64)
-    eps = tl.full(a.shape, 1e-12, tl.float64)
-    scale = (448.0 / tl.where(a < eps, eps, a)).to(tl.float32)
+    """fp32 448 / max(amax, 1e-12) as the fp64 division rounded to fp32 gives it (NaN amax
+    gives NaN). Below the clamp it is that constant; above, the correctly rounded fp32
+    division equals the fp64 quotient rounded to fp32 (double rounding through 53 bits is
+    exact for a quotient of 24-bit numbers, as 53 >= 2 * 24 + 2)."""
+    amax = amax_bits.to(tl.float32, bitcast=True)
+    small = amax.to(tl.float64) < 1e-12
+    scale = tl.where(
+        small, SCALE_AT_EPS, tl.math.div_rn(tl.full(amax.shape, 448.0, tl.float32), amax)
+    )
     if ROUND_POW2:
         keep = (scale.to(tl.int32, bitcast=True) >> 23) << 23  # sign and exponent only
         scale = tl.where(scale != scale, scale, keep.to(tl.float32, bitcast=True))
@@ -100,6 +113,183 @@ def _clamp_nan(y):
     """clamp to +-448 keeping NaN (canonical, positive) where torch.clamp keeps it."""
     y = tl.where(y > 448.0, 448.0, tl.where(y < -448.0, -448.0, y))
     return tl.where(y != y, float("nan"), y)
+
+
+@triton.jit
+def _offsets(o, i, so, sg, INT64: tl.constexpr):
+    """Element offsets [len(o), len(i)] of indices o (other axis) and i (group axis)."""
+    if INT64:
+        return o[:, None].to(tl.int64) * so + i[None, :].to(tl.int64) * sg
+    return o[:, None] * so + i[None, :] * sg
+
+
+@triton.jit
+def _tile(o0, s, start, end, o_end, BLOCK_O: tl.constexpr, BLOCK_G: tl.constexpr):
+    """Indices and mask of the tile [o0, o0 + BLOCK_O) x [s, s + BLOCK_G) of group [start, end),
+    other-axis indices below o_end."""
+    o = o0 + tl.arange(0, BLOCK_O)
+    i = s + tl.arange(0, BLOCK_G)
+    return o, i, (o < o_end)[:, None] & ((i >= start) & (i < end))[None, :]
+
+
+@triton.jit
+def _load_raw(x_ptr, o, i, mask, sxo, sxg, INT64: tl.constexpr):
+    return tl.load(x_ptr + _offsets(o, i, sxo, sxg, INT64), mask=mask, other=0.0)
+
+
+@triton.jit
+def _load(x_ptr, o, i, mask, sxo, sxg, SOFT: tl.constexpr, INT64: tl.constexpr):
+    return to_fp32(_load_raw(x_ptr, o, i, mask, sxo, sxg, INT64), SOFT)
+
+
+@triton.jit
+def _amax_bits(x):
+    return tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
+
+
+@triton.jit
+def _store(data_ptr, o, i, mask, y, sdo, sdg, SOFT: tl.constexpr, INT64: tl.constexpr):
+    bits = fp32_to_e4m3_bits(_clamp_nan(y), SOFT)
+    tl.store(data_ptr + _offsets(o, i, sdo, sdg, INT64), bits, mask=mask)
+
+
+@triton.jit
+def _store_scales(scale_ptr, g, o, o_end, n_other, scale, INT64: tl.constexpr):
+    row = g.to(tl.int64) * n_other if INT64 else g * n_other
+    tl.store(scale_ptr + row + o, scale, mask=o < o_end)
+
+
+@triton.jit
+def _group_block(
+    x_ptr, scale_ptr, data_ptr, g, o_start, lo, start, end, n_other, sxo, sxg, sdo, sdg,
+    ROUND_POW2: tl.constexpr, SOFT: tl.constexpr, INT64: tl.constexpr, BLOCK: tl.constexpr,
+    BLOCK_O: tl.constexpr, BLOCK_G: tl.constexpr, LOOP: tl.constexpr,
+):  # fmt: skip
+    """Group [start, end) (tiles from lo <= start) for the BLOCK other-axis indices from
+    o_start, in [BLOCK_O, BLOCK_G] tiles: one read each, or (LOOP) an amax pass along the
+    group and then a second for the data. Each loop issues the next tile's load before it
+    processes the current one, so that a program always has a tile's bytes in flight."""
+    o_end = tl.minimum(o_start + BLOCK, n_other)
+    if LOOP:
+        for o0 in range(o_start, o_end, BLOCK_O):
+            amax = tl.zeros((BLOCK_O,), dtype=tl.int32)
+            o, i, mask = _tile(o0, lo, start, end, o_end, BLOCK_O, BLOCK_G)
+            raw = _load_raw(x_ptr, o, i, mask, sxo, sxg, INT64)
+            for s in range(lo, end, BLOCK_G):
+                o, i, mask = _tile(o0, s + BLOCK_G, start, end, o_end, BLOCK_O, BLOCK_G)
+                raw_next = _load_raw(x_ptr, o, i, mask, sxo, sxg, INT64)
+                amax = tl.maximum(amax, _amax_bits(to_fp32(raw, SOFT)))
+                raw = raw_next
+            scale = _scales(amax, ROUND_POW2)
+            o, i, mask = _tile(o0, lo, start, end, o_end, BLOCK_O, BLOCK_G)
+            raw = _load_raw(x_ptr, o, i, mask, sxo, sxg, INT64)
+            for s in range(lo, end, BLOCK_G):
+                o, i, mask = _tile(o0, s, start, end, o_end, BLOCK_O, BLOCK_G)
+                on, i_next, next_mask = _tile(o0, s + BLOCK_G, start, end, o_end, BLOCK_O, BLOCK_G)
+                raw_next = _load_raw(x_ptr, on, i_next, next_mask, sxo, sxg, INT64)
+                x = to_fp32(raw, SOFT)
+                _store(data_ptr, o, i, mask, x * scale[:, None], sdo, sdg, SOFT, INT64)
+                raw = raw_next
+            _store_scales(scale_ptr, g, o0 + tl.arange(0, BLOCK_O), o_end, n_other, scale, INT64)
+    else:
+        o, i, mask = _tile(o_start, lo, start, end, o_end, BLOCK_O, BLOCK_G)
+        raw = _load_raw(x_ptr, o, i, mask, sxo, sxg, INT64)  # kept in x's dtype until used
+        for o0 in range(o_start, o_end, BLOCK_O):
+            o, i, mask = _tile(o0, lo, start, end, o_end, BLOCK_O, BLOCK_G)
+            on, i, next_mask = _tile(o0 + BLOCK_O, lo, start, end, o_end, BLOCK_O, BLOCK_G)
+            raw_next = _load_raw(x_ptr, on, i, next_mask, sxo, sxg, INT64)
+            x = to_fp32(raw, SOFT)
+            scale = _scales(_amax_bits(x), ROUND_POW2)
+            _store(data_ptr, o, i, mask, x * scale[:, None], sdo, sdg, SOFT, INT64)
+            _store_scales(scale_ptr, g, o, o_end, n_other, scale, INT64)
+            raw = raw_next
+
+
+@triton.jit
+def _group_classes(
+    x_ptr, scale_ptr, data_ptr, g, o_start, lo, start, end, n_other, sxo, sxg, sdo, sdg,
+    ROUND_POW2: tl.constexpr, SOFT: tl.constexpr, INT64: tl.constexpr, BLOCK: tl.constexpr,
+    TILE: tl.constexpr, MIN_GROUP: tl.constexpr, N_CLASSES: tl.constexpr,
+):  # fmt: skip
+    """The group's size class picks its tile (see the comment above the kernels); groups
+    longer than the largest class loop over its tile."""
+    c = 0
+    for j in tl.static_range(N_CLASSES):
+        c += (end - lo > (MIN_GROUP << j)).to(tl.int32)
+    for k in tl.static_range(N_CLASSES + 1):
+        if c == k:
+            bg: tl.constexpr = MIN_GROUP << (k if k < N_CLASSES else N_CLASSES - 1)
+            bo: tl.constexpr = BLOCK if TILE // bg > BLOCK else TILE // bg
+            _group_block(
+                x_ptr, scale_ptr, data_ptr, g, o_start, lo, start, end, n_other,
+                sxo, sxg, sdo, sdg, ROUND_POW2, SOFT, INT64, BLOCK, bo, bg,
+                LOOP=k == N_CLASSES,
+            )  # fmt: skip
+
+
+@triton.jit
+def _group_bounds(offs_ptr, t, n_items, n_groups, extent):
+    """[start, end) of item t's group, clamped to [previous end, extent] (bad offsets cannot
+    reach outside x or data); loaded one item ahead, so its latency hides behind a tile."""
+    g = t % n_groups
+    start = tl.load(offs_ptr + g - 1, mask=(g > 0) & (t < n_items), other=0)
+    start = tl.minimum(tl.maximum(start, 0), extent)
+    end = tl.load(offs_ptr + g, mask=t < n_items, other=0)
+    return start, tl.maximum(tl.minimum(end, extent), start)
+
+
+@triton.jit
+def _row_block_kernel(
+    x_ptr, offs_ptr, scale_ptr, data_ptr, n_other, extent, n_groups, sxo, sxg, sdo, sdg,
+    ROUND_POW2: tl.constexpr, SOFT: tl.constexpr, INT64: tl.constexpr, ALIGN: tl.constexpr,
+    BLOCK: tl.constexpr, TILE: tl.constexpr, MIN_GROUP: tl.constexpr, N_CLASSES: tl.constexpr,
+):  # fmt: skip
+    """x: [other, group] through strides (sxo, sxg); data (uint8 e4m3 bits) likewise through
+    (sdo, sdg); offs: int32 [n_groups] end offsets along the group axis (length ``extent``);
+    scale: fp32 [n_groups, n_other].
+
+    Item t is (other-axis block t // n_groups of BLOCK indices, group t % n_groups). A group's
+    tiles start at its start rounded down to ALIGN; groups whose bounds are multiples of ALIGN
+    get their own copy of the code, in which the compiler sees that alignment and moves whole
+    vectors."""
+    n_items = tl.cdiv(n_other, BLOCK) * n_groups
+    next_start, next_end = _group_bounds(offs_ptr, tl.program_id(0), n_items, n_groups, extent)
+    for t in range(tl.program_id(0), n_items, tl.num_programs(0)):
+        g = t % n_groups
+        o_start = t // n_groups * BLOCK
+        start, end = next_start, next_end
+        next_start, next_end = _group_bounds(
+            offs_ptr, t + tl.num_programs(0), n_items, n_groups, extent
+        )
+        if ALIGN == 1:
+            _group_classes(
+                x_ptr, scale_ptr, data_ptr, g, o_start, start, start, end, n_other,
+                sxo, sxg, sdo, sdg, ROUND_POW2, SOFT, INT64, BLOCK, TILE, MIN_GROUP, N_CLASSES,
+            )  # fmt: skip
+        elif (start % ALIGN == 0) & (end % ALIGN == 0):
+            a0 = start // ALIGN * ALIGN  # the same values, in a form that shows the alignment
+            a1 = end // ALIGN * ALIGN
+            _group_classes(
+                x_ptr, scale_ptr, data_ptr, g, o_start, a0, a0, a1, n_other,
+                sxo, sxg, sdo, sdg, ROUND_POW2, SOFT, INT64, BLOCK, TILE, MIN_GROUP, N_CLASSES,
+            )  # fmt: skip
+        else:
+            _group_classes(
+                x_ptr, scale_ptr, data_ptr, g, o_start, start // ALIGN * ALIGN, start, end,
+                n_other, sxo, sxg, sdo, sdg, ROUND_POW2, SOFT, INT64, BLOCK, TILE,
+                MIN_GROUP, N_CLASSES,
+            )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- colwise kernel
+#
+# Colwise (groups along the rows of a row-major x) with work items (group, tile): a program
+# takes one item and keeps a tile of TILE elements in registers, so x is read once: the tile
+# spans the whole group along the group axis (the power of two >= the group's extent, at
+# least MIN_GROUP: its size class) and TILE / that along the other axis. Groups longer than
+# the largest class fall to a loop over the group in [LOOP_OTHER, LOOP_GROUP] tiles: an amax
+# pass, then a second read for the data. (The row-block kernel above measured slower for
+# this layout at 16 and 64 groups on an H200, BENCHMARKS.md.)
 
 
 @triton.jit
@@ -155,7 +345,7 @@ def _group_loop(
 
 
 @triton.jit
-def _per_group_kernel(
+def _group_item_kernel(
     x_ptr, offs_ptr, scale_ptr, data_ptr, n_other, extent, n_groups, sxo, sxg, sdo, sdg,
     ROUND_POW2: tl.constexpr, SOFT: tl.constexpr, ALIGN: tl.constexpr, TILE: tl.constexpr,
     MIN_GROUP: tl.constexpr, N_CLASSES: tl.constexpr, LOOP_OTHER: tl.constexpr,
@@ -221,10 +411,23 @@ def _per_group_kernel(
 # ---------------------------------------------------------------------------- launchers
 
 
-def _n_programs(device: torch.device, tiling: _config.GroupTiling) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter runs programs one after another
-    return sm_count(device) * tiling.programs_per_sm
+def _grid(device: torch.device, tiling: _config.RowBlockTiling, n_other: int, n_groups: int):
+    """(programs, other-axis indices per item) of the row-block kernel: items of up to
+    tiling.block_other indices, halved (down to the largest class's extent along the other
+    axis) while there would be fewer than ITEMS_PER_PROGRAM items per program."""
+    programs = 4 if device.type != "cuda" else sm_count(device) * tiling.programs_per_sm
+    block = tiling.block_other
+    smallest = tiling.tile // (tiling.min_group << (tiling.n_classes - 1))  # the loop's tile
+    while (
+        block > smallest and triton.cdiv(n_other, block) * n_groups < ITEMS_PER_PROGRAM * programs
+    ):
+        block //= 2
+    return min(programs, triton.cdiv(n_other, block) * n_groups), block
+
+
+def _extent(t: torch.Tensor) -> int:
+    """One past the largest element offset of t."""
+    return sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True)) + 1
 
 
 def _per_group_triton(
@@ -238,16 +441,33 @@ def _per_group_triton(
     n_other = x.shape[other_dim]
     scales = torch.empty((g, n_other), dtype=torch.float32, device=x.device)
     data = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
-    if g and n_other:
-        tiling = _config.per_group_tiling(group_dim, interpreted=soft)
-        _per_group_kernel[(_n_programs(x.device, tiling),)](
-            x, offs, scales, data, n_other, x.shape[group_dim], g,
-            x.stride(other_dim), x.stride(group_dim),
-            data.stride(other_dim), data.stride(group_dim),
-            ROUND_POW2=pow2, SOFT=soft, ALIGN=16 if x.stride(group_dim) == 1 else 1,
-            TILE=tiling.tile, MIN_GROUP=tiling.min_group, N_CLASSES=tiling.n_classes,
-            LOOP_OTHER=tiling.loop_other, LOOP_GROUP=tiling.loop_group,
-            BLOCK_GROUPS=max(2, triton.next_power_of_2(g)), num_warps=tiling.num_warps,
+    if not (g and n_other):
+        return data.view(torch.float8_e4m3fn), scales
+    int64 = max(_extent(x), data.numel(), scales.numel()) >= 2**31
+    strides = (
+        x.stride(other_dim),
+        x.stride(group_dim),
+        data.stride(other_dim),
+        data.stride(group_dim),
+    )
+    if group_dim == 1:
+        t = _config.per_group_tiling(1, interpreted=soft)
+        programs, block = _grid(x.device, t, n_other, g)
+        _row_block_kernel[(programs,)](
+            x, offs, scales, data, n_other, x.shape[1], g, *strides,
+            ROUND_POW2=pow2, SOFT=soft, INT64=int64, ALIGN=16 if x.stride(1) == 1 else 1,
+            BLOCK=block, TILE=t.tile, MIN_GROUP=t.min_group, N_CLASSES=t.n_classes,
+            num_warps=t.num_warps,
+        )  # fmt: skip
+    else:
+        c = _config.per_group_tiling(0, interpreted=soft)
+        programs = 4 if soft else sm_count(x.device) * c.programs_per_sm
+        _group_item_kernel[(programs,)](
+            x, offs, scales, data, n_other, x.shape[0], g, *strides,
+            ROUND_POW2=pow2, SOFT=soft, ALIGN=16 if x.stride(0) == 1 else 1,
+            TILE=c.tile, MIN_GROUP=c.min_group, N_CLASSES=c.n_classes,
+            LOOP_OTHER=c.loop_other, LOOP_GROUP=c.loop_group,
+            BLOCK_GROUPS=max(2, triton.next_power_of_2(g)), num_warps=c.num_warps,
         )  # fmt: skip
     return data.view(torch.float8_e4m3fn), scales
 
@@ -279,7 +499,7 @@ def _check(x: torch.Tensor, offs: torch.Tensor, dim: int, backend: str, validate
         raise ValueError(f"offs ({offs.device}) must be on x's device ({x.device})")
     if validate:
         _check_values(offs, x.shape[dim], dim)
-    return resolve_backend(backend, x.device, _per_group_kernel)
+    return resolve_backend(backend, x.device, _row_block_kernel)
 
 
 def _check_values(offs: torch.Tensor, extent: int, dim: int) -> None:

@@ -28,17 +28,22 @@ def offsets(total: int, n_groups: int, g: torch.Generator) -> torch.Tensor:
     return torch.cat([cuts, torch.tensor([total])]).to(torch.int32).cuda()
 
 
-def tilings(kind: str) -> list[_config.GroupTiling]:
-    """Rowwise: the last class is one row wide; colwise: ``min_other`` columns."""
+def tilings(kind: str) -> list:
+    """Rowwise (row-block kernel): the largest class is one row of ``tile`` columns, programs
+    per SM about what the registers allow (ptxas: 128-168 per thread for these tiles).
+    Colwise (group-item kernel): the last class is ``min_other`` columns wide."""
     out = []
     if kind == "rowwise":
-        for tile, warps, per_sm in itertools.product([4096, 8192], [4, 8], [2, 4]):
+        for tile, block, warps, per_sm in [
+            (8192, 256, 8, 2), (8192, 64, 8, 2), (4096, 256, 4, 3), (4096, 64, 4, 3),
+            (4096, 256, 8, 2), (2048, 64, 4, 6),
+        ]:  # fmt: skip
             n_classes = (tile // 32).bit_length()  # classes 32 .. tile columns
-            out.append(_config.GroupTiling(tile, 32, n_classes, 1, tile, warps, per_sm))
+            out.append(_config.RowBlockTiling(tile, block, 32, n_classes, warps, per_sm))
     else:
         for tile, min_other, warps in itertools.product([8192, 16384], [16, 32], [4, 8]):
             n_classes = (tile // (16 * min_other)).bit_length()  # classes 16 .. tile/min_other rows
-            out.append(_config.GroupTiling(tile, 16, n_classes, 16, 512, warps, 4))
+            out.append(_config.GroupItemTiling(tile, 16, n_classes, 16, 512, warps, 4))
     return out
 
 
