@@ -4,8 +4,9 @@
 
 x (16640, 8192) bf16, 1/16/64 jagged groups (end offsets multiples of 16); prints
 microseconds and effective GB/s (3 bytes per element) of per_group_rowwise_scales
-(method="direct") and per_group_colwise_scales for each ``_config.GroupTiling`` tried;
-the best go into mxfp8_a2a/_config.py.
+(method="direct") and per_group_colwise_scales for each tiling tried
+(``_config.RowBlockTiling``, ``_config.GroupItemTiling``); the best go into
+mxfp8_a2a/_config.py.
 """
 
 from __future__ import annotations
