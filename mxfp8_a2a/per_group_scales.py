@@ -28,6 +28,7 @@ SCALE_AT_EPS = tl.constexpr(
 )  # fp32(448 / 1e-12)
 _METHODS = ("auto", "direct", "transpose")
 ITEMS_PER_PROGRAM = 4  # work items per program at least, for balance (see _grid)
+INT64_FROM = 2**31  # the rowwise kernel uses 64-bit element offsets from this extent up
 
 # ---------------------------------------------------------------------------- reference
 
@@ -119,8 +120,10 @@ def _clamp_nan(y):
 def _offsets(o, i, so, sg, INT64: tl.constexpr):
     """Element offsets [len(o), len(i)] of indices o (other axis) and i (group axis)."""
     if INT64:
-        return o[:, None].to(tl.int64) * so + i[None, :].to(tl.int64) * sg
-    return o[:, None] * so + i[None, :] * sg
+        offsets = o[:, None].to(tl.int64) * so + i[None, :].to(tl.int64) * sg
+    else:
+        offsets = o[:, None] * so + i[None, :] * sg
+    return offsets
 
 
 @triton.jit
@@ -443,7 +446,7 @@ def _per_group_triton(
     data = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
     if not (g and n_other):
         return data.view(torch.float8_e4m3fn), scales
-    int64 = max(_extent(x), data.numel(), scales.numel()) >= 2**31
+    int64 = max(_extent(x), data.numel(), scales.numel()) >= INT64_FROM
     strides = (
         x.stride(other_dim),
         x.stride(group_dim),

@@ -1,7 +1,9 @@
-"""Compile the cast kernels for sm_90 and sm_100 without a GPU; print what the PTX holds.
+"""Compile the cast and per-group kernels for sm_90 and sm_100 without a GPU; print what
+the PTX holds.
 
 Run as a script (the kernels must be decorated without TRITON_INTERPRET). Prints one JSON
-line per build: {"kernel", "cap", "variant", "ue8m0": bool, "e4m3_cvt": bool}.
+line per build: {"kernel", "cap", "variant", "ue8m0": bool, "e4m3_cvt": bool}, plus
+"v4_loads": bool (16-byte loads) for the per-group kernels.
 """
 
 import json
@@ -12,7 +14,9 @@ os.environ.pop("TRITON_INTERPRET", None)
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, compile  # noqa: E402
 
+from mxfp8_a2a import _config  # noqa: E402
 from mxfp8_a2a.dequantize import _dequantize_kernel  # noqa: E402
+from mxfp8_a2a.per_group_scales import _group_item_kernel, _row_block_kernel  # noqa: E402
 from mxfp8_a2a.quantize import _quantize_kernel  # noqa: E402
 from mxfp8_a2a.roundtrip import _roundtrip_kernel  # noqa: E402
 
@@ -23,10 +27,41 @@ DEQUANT_SIG = dict.fromkeys(GAP + ["stride_dm", "stride_sm", "stride_om"], I32)
 ROUNDTRIP_SIG = dict.fromkeys(GAP[:2] + ["stride_xm", "stride_xk", "stride_om"], I32)
 
 
-def build(kernel, sig, constexprs, cap):
+PER_GROUP_ARGS = ["x_ptr", "offs_ptr", "scale_ptr", "data_ptr", "n_other", "extent"]
+PER_GROUP_ARGS += ["n_groups", "sxo", "sxg", "sdo", "sdg"]
+
+
+def build(kernel, sig, constexprs, cap, aligned=(), num_warps=4):
+    """PTX of ``kernel``; ``aligned``: argument names Triton would see as multiples of 16."""
     sig = {**sig, **dict.fromkeys(constexprs, "constexpr")}
-    src = ASTSource(kernel, sig, constexprs=constexprs)
-    return compile(src, target=GPUTarget("cuda", cap, 32)).asm["ptx"]
+    attrs = {(list(sig).index(a),): [["tt.divisibility", 16]] for a in aligned}
+    src = ASTSource(kernel, sig, constexprs=constexprs, attrs=attrs)
+    return compile(src, target=GPUTarget("cuda", cap, 32), options={"num_warps": num_warps}).asm[
+        "ptx"
+    ]
+
+
+def per_group_builds(cap):
+    """The rowwise kernel (row-major x, bf16 with 32- and 64-bit offsets, fp32) and the
+    colwise kernel, with the GPU tilings and the strides the benchmarks give them."""
+    tile = _config.ROWWISE_TILING
+    for dtype, int64 in (("bf16", False), ("bf16", True), ("fp32", False)):
+        sig = dict.fromkeys(PER_GROUP_ARGS, I32)
+        sig.update(x_ptr=f"*{dtype}", offs_ptr="*i32", scale_ptr="*fp32", data_ptr="*u8")
+        consts = {"sxg": 1, "sdg": 1, "ROUND_POW2": False, "SOFT": False, "INT64": int64}
+        consts |= {"ALIGN": 16, "BLOCK": tile.block_other, "TILE": tile.tile}
+        consts |= {"MIN_GROUP": tile.min_group, "N_CLASSES": tile.n_classes}
+        aligned = PER_GROUP_ARGS[:6] + ["sxo", "sdo"]
+        ptx = build(_row_block_kernel, sig, consts, cap, aligned, tile.num_warps)
+        yield "per_group_rowwise", f"{dtype}-{'int64' if int64 else 'int32'}", ptx
+    col = _config.COLWISE_TILING
+    sig = dict.fromkeys(PER_GROUP_ARGS, I32)
+    sig.update(x_ptr="*bf16", offs_ptr="*i32", scale_ptr="*fp32", data_ptr="*u8")
+    consts = {"sxo": 1, "sdo": 1, "ROUND_POW2": True, "SOFT": False, "ALIGN": 1}
+    consts |= {"TILE": col.tile, "MIN_GROUP": col.min_group, "N_CLASSES": col.n_classes}
+    consts |= {"LOOP_OTHER": col.loop_other, "LOOP_GROUP": col.loop_group, "BLOCK_GROUPS": 64}
+    aligned = PER_GROUP_ARGS[:6] + ["sxg", "sdg"]
+    yield "per_group_colwise", "bf16", build(_group_item_kernel, sig, consts, cap, aligned)
 
 
 for cap in (90, 100):
@@ -90,6 +125,19 @@ for cap in (90, 100):
                     "variant": f"{dtype}-rceil",
                     "ue8m0": "cvt.rp.satfinite.ue8m0x2.f32" in ptx,
                     "e4m3_cvt": "e4m3x2.f32" in ptx and "e4m3x2" in ptx,
+                }
+            )
+        )
+    for name, variant, ptx in per_group_builds(cap):
+        print(
+            json.dumps(
+                {
+                    "kernel": name,
+                    "cap": cap,
+                    "variant": variant,
+                    "ue8m0": False,
+                    "e4m3_cvt": "e4m3x2" in ptx,
+                    "v4_loads": "ld.global.v4.b32" in ptx,
                 }
             )
         )

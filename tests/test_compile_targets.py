@@ -22,7 +22,13 @@ def builds():
 
 
 def test_every_variant_compiles(builds):
-    assert len(builds) == 2 * (2 * 2 + 2 + 2)
+    assert len(builds) == 2 * (2 * 2 + 2 + 2 + 4)
+
+
+def test_per_group_kernels_move_whole_vectors(builds):
+    """With 16-byte aligned rows the aligned-group path loads 16 bytes at a time."""
+    per_group = [b for b in builds if b["kernel"].startswith("per_group")]
+    assert per_group and all(b["v4_loads"] for b in per_group), per_group
 
 
 def test_e8m0_instruction_only_on_blackwell(builds):

@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers import KERNEL_DEVICES, bits, fresh_generator
 
-from mxfp8_a2a import per_group_colwise_scales, per_group_rowwise_scales
+from mxfp8_a2a import per_group_colwise_scales, per_group_rowwise_scales, per_group_scales
 from mxfp8_a2a.per_group_scales import per_group_colwise_reference, per_group_rowwise_reference
 
 
@@ -67,6 +67,18 @@ def test_colwise_and_rowwise_match_reference(device, dtype, pow2, n_groups, kind
         )  # fmt: skip
         assert got[0].shape == xt.shape and got[1].shape == (n_groups, 96)
         _same(got, want)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_rowwise_64_bit_offsets(device, monkeypatch):
+    """The 64-bit offset path (tensors past 2^31 elements) gives the same bits; forced here
+    on a small tensor."""
+    monkeypatch.setattr(per_group_scales, "INT64_FROM", 0)
+    g = fresh_generator()
+    x = _data((40, 203), torch.bfloat16, device, g)
+    offs = _offsets(203, 6, g, "aligned").to(device)
+    got = per_group_rowwise_scales(x, offs, backend="triton", method="direct")
+    _same(got, per_group_rowwise_reference(x, offs))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
