@@ -69,6 +69,23 @@ def test_colwise_and_rowwise_match_reference(device, dtype, pow2, n_groups, kind
         _same(got, want)
 
 
+def test_row_block_items_stay_balanced():
+    """The rowwise launcher halves the rows per item until every program gets several items,
+    but never below the extent of the looping tile; it never launches idle programs."""
+    from mxfp8_a2a._config import RowBlockTiling
+    from mxfp8_a2a.per_group_scales import ITEMS_PER_PROGRAM, _grid
+
+    cpu = torch.device("cpu")  # 4 programs
+    t = RowBlockTiling(tile=1024, block_other=64, min_group=16, n_classes=4, num_warps=4,
+                       programs_per_sm=1)  # fmt: skip
+    assert _grid(cpu, t, 16640, 64) == (4, 64)  # plenty of items: full blocks
+    assert _grid(cpu, t, 500, 1) == (4, 32)  # 16 items of 32 rows, not 8 of 64
+    assert 4 * ITEMS_PER_PROGRAM == 16
+    assert _grid(cpu, t, 100, 1) == (4, 8)  # 8 = the looping tile's rows: 1024 // (16 << 3)
+    wide = t._replace(tile=256)  # the looping tile is 256 // (16 << 3) = 2 rows
+    assert _grid(cpu, wide, 3, 1) == (2, 2)  # 2 items of up to 2 rows: 2 programs
+
+
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_rowwise_64_bit_offsets(device, monkeypatch):
     """The 64-bit offset path (tensors past 2^31 elements) gives the same bits; forced here
