@@ -136,13 +136,9 @@ def _tile(o0, s, start, end, o_end, BLOCK_O: tl.constexpr, BLOCK_G: tl.constexpr
 
 
 @triton.jit
-def _load_raw(x_ptr, o, i, mask, sxo, sxg, INT64: tl.constexpr):
+def _load(x_ptr, o, i, mask, sxo, sxg, INT64: tl.constexpr):
+    """The tile in x's dtype (widened to fp32 where it is used)."""
     return tl.load(x_ptr + _offsets(o, i, sxo, sxg, INT64), mask=mask, other=0.0)
-
-
-@triton.jit
-def _load(x_ptr, o, i, mask, sxo, sxg, SOFT: tl.constexpr, INT64: tl.constexpr):
-    return to_fp32(_load_raw(x_ptr, o, i, mask, sxo, sxg, INT64), SOFT)
 
 
 @triton.jit
@@ -177,30 +173,30 @@ def _group_block(
         for o0 in range(o_start, o_end, BLOCK_O):
             amax = tl.zeros((BLOCK_O,), dtype=tl.int32)
             o, i, mask = _tile(o0, lo, start, end, o_end, BLOCK_O, BLOCK_G)
-            raw = _load_raw(x_ptr, o, i, mask, sxo, sxg, INT64)
+            raw = _load(x_ptr, o, i, mask, sxo, sxg, INT64)
             for s in range(lo, end, BLOCK_G):
                 o, i, mask = _tile(o0, s + BLOCK_G, start, end, o_end, BLOCK_O, BLOCK_G)
-                raw_next = _load_raw(x_ptr, o, i, mask, sxo, sxg, INT64)
+                raw_next = _load(x_ptr, o, i, mask, sxo, sxg, INT64)
                 amax = tl.maximum(amax, _amax_bits(to_fp32(raw, SOFT)))
                 raw = raw_next
             scale = _scales(amax, ROUND_POW2)
             o, i, mask = _tile(o0, lo, start, end, o_end, BLOCK_O, BLOCK_G)
-            raw = _load_raw(x_ptr, o, i, mask, sxo, sxg, INT64)
+            raw = _load(x_ptr, o, i, mask, sxo, sxg, INT64)
             for s in range(lo, end, BLOCK_G):
                 o, i, mask = _tile(o0, s, start, end, o_end, BLOCK_O, BLOCK_G)
                 on, i_next, next_mask = _tile(o0, s + BLOCK_G, start, end, o_end, BLOCK_O, BLOCK_G)
-                raw_next = _load_raw(x_ptr, on, i_next, next_mask, sxo, sxg, INT64)
+                raw_next = _load(x_ptr, on, i_next, next_mask, sxo, sxg, INT64)
                 x = to_fp32(raw, SOFT)
                 _store(data_ptr, o, i, mask, x * scale[:, None], sdo, sdg, SOFT, INT64)
                 raw = raw_next
             _store_scales(scale_ptr, g, o0 + tl.arange(0, BLOCK_O), o_end, n_other, scale, INT64)
     else:
         o, i, mask = _tile(o_start, lo, start, end, o_end, BLOCK_O, BLOCK_G)
-        raw = _load_raw(x_ptr, o, i, mask, sxo, sxg, INT64)  # kept in x's dtype until used
+        raw = _load(x_ptr, o, i, mask, sxo, sxg, INT64)
         for o0 in range(o_start, o_end, BLOCK_O):
             o, i, mask = _tile(o0, lo, start, end, o_end, BLOCK_O, BLOCK_G)
             on, i, next_mask = _tile(o0 + BLOCK_O, lo, start, end, o_end, BLOCK_O, BLOCK_G)
-            raw_next = _load_raw(x_ptr, on, i, next_mask, sxo, sxg, INT64)
+            raw_next = _load(x_ptr, on, i, next_mask, sxo, sxg, INT64)
             x = to_fp32(raw, SOFT)
             scale = _scales(_amax_bits(x), ROUND_POW2)
             _store(data_ptr, o, i, mask, x * scale[:, None], sdo, sdg, SOFT, INT64)

@@ -10,3 +10,10 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_make_parametrize_id(config, val, argname):
+    """Readable test ids for dtypes ("bfloat16", not "dtype0"), so that -k can pick them."""
+    if isinstance(val, torch.dtype):
+        return str(val).removeprefix("torch.")
+    return None
