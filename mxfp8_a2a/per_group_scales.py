@@ -410,11 +410,19 @@ def _group_item_kernel(
 # ---------------------------------------------------------------------------- launchers
 
 
+def _programs(
+    device: torch.device, tiling: _config.RowBlockTiling | _config.GroupItemTiling
+) -> int:
+    """Persistent grid: programs_per_sm per multiprocessor (4 under the interpreter, which
+    runs programs one after another)."""
+    return 4 if device.type != "cuda" else sm_count(device) * tiling.programs_per_sm
+
+
 def _grid(device: torch.device, tiling: _config.RowBlockTiling, n_other: int, n_groups: int):
     """(programs, other-axis indices per item) of the row-block kernel: items of up to
     tiling.block_other indices, halved (down to the largest class's extent along the other
     axis) while there would be fewer than ITEMS_PER_PROGRAM items per program."""
-    programs = 4 if device.type != "cuda" else sm_count(device) * tiling.programs_per_sm
+    programs = _programs(device, tiling)
     block = tiling.block_other
     smallest = tiling.tile // (tiling.min_group << (tiling.n_classes - 1))  # the loop's tile
     while (
@@ -460,8 +468,7 @@ def _per_group_triton(
         )  # fmt: skip
     else:
         c = _config.per_group_tiling(0, interpreted=soft)
-        programs = 4 if soft else sm_count(x.device) * c.programs_per_sm
-        _group_item_kernel[(programs,)](
+        _group_item_kernel[(_programs(x.device, c),)](
             x, offs, scales, data, n_other, x.shape[0], g, *strides,
             ROUND_POW2=pow2, SOFT=soft, ALIGN=16 if x.stride(0) == 1 else 1,
             TILE=c.tile, MIN_GROUP=c.min_group, N_CLASSES=c.n_classes,

@@ -41,13 +41,18 @@ def build(kernel, sig, constexprs, cap, aligned=(), num_warps=4):
     ]
 
 
+def per_group_sig(dtype):
+    sig = dict.fromkeys(PER_GROUP_ARGS, I32)
+    sig.update(x_ptr=f"*{dtype}", offs_ptr="*i32", scale_ptr="*fp32", data_ptr="*u8")
+    return sig
+
+
 def per_group_builds(cap):
     """The rowwise kernel (row-major x, bf16 with 32- and 64-bit offsets, fp32) and the
     colwise kernel, with the GPU tilings and the strides the benchmarks give them."""
     tile = _config.ROWWISE_TILING
     for dtype, int64 in (("bf16", False), ("bf16", True), ("fp32", False)):
-        sig = dict.fromkeys(PER_GROUP_ARGS, I32)
-        sig.update(x_ptr=f"*{dtype}", offs_ptr="*i32", scale_ptr="*fp32", data_ptr="*u8")
+        sig = per_group_sig(dtype)
         consts = {"sxg": 1, "sdg": 1, "ROUND_POW2": False, "SOFT": False, "INT64": int64}
         consts |= {"ALIGN": 16, "BLOCK": tile.block_other, "TILE": tile.tile}
         consts |= {"MIN_GROUP": tile.min_group, "N_CLASSES": tile.n_classes}
@@ -55,8 +60,7 @@ def per_group_builds(cap):
         ptx = build(_row_block_kernel, sig, consts, cap, aligned, tile.num_warps)
         yield "per_group_rowwise", f"{dtype}-{'int64' if int64 else 'int32'}", ptx
     col = _config.COLWISE_TILING
-    sig = dict.fromkeys(PER_GROUP_ARGS, I32)
-    sig.update(x_ptr="*bf16", offs_ptr="*i32", scale_ptr="*fp32", data_ptr="*u8")
+    sig = per_group_sig("bf16")
     consts = {"sxo": 1, "sdo": 1, "ROUND_POW2": True, "SOFT": False, "ALIGN": 1}
     consts |= {"TILE": col.tile, "MIN_GROUP": col.min_group, "N_CLASSES": col.n_classes}
     consts |= {"LOOP_OTHER": col.loop_other, "LOOP_GROUP": col.loop_group, "BLOCK_GROUPS": 64}
