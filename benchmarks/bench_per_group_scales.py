@@ -32,8 +32,9 @@ def jagged_offsets(total: int, n_groups: int, g: torch.Generator) -> torch.Tenso
 
 
 def kernel_bytes(ends: list[int], n_other: int, group_dim: int, elem: int = 2) -> int:
-    """Bytes the per-group kernel moves: each group's x once (twice when it is longer than
-    the largest size class of the GPU tiling), its e4m3 data and fp32 scales once."""
+    """Bytes the per-group kernel reads and writes: each group's x once (twice when it is
+    longer than the largest size class of the GPU tiling; for rowwise the second read mostly
+    hits L2), its e4m3 data and fp32 scales once."""
     tiling = _config.per_group_tiling(group_dim, interpreted=False)
     longest = tiling.min_group << (tiling.n_classes - 1)
     align = 16 if group_dim == 1 else 1  # rowwise tiles start on 16-element boundaries

@@ -44,11 +44,11 @@ PIPELINE_CHUNK_BYTES = 1 << 30
 PIPELINE_MAX_CHUNKS = 8
 
 # Per-group FP8 scaling (mxfp8_a2a/per_group_scales.py), see the kernels' comments there.
-# Rowwise, row-block kernel: a work item is (block_other rows, one group); its tiles span the
-# whole group along the columns (a power of two from ``min_group`` to ``min_group <<
-# (n_classes - 1)``) times ``tile`` / that rows (at most block_other); wider groups loop
-# over the largest class's tile. The launcher halves block_other for small inputs so that
-# every program gets several items. Grid: programs_per_sm per multiprocessor.
+# Rowwise, row-block kernel: one program per work item (a block of rows, one group); the
+# launcher picks the block (a power of two) so that an item holds about ``item`` elements for a
+# group of average width. Tiles span the whole group along the columns (a power of two from
+# ``min_group`` to ``max_class``) times ``tile`` / that rows; wider groups loop (two passes)
+# over tiles of ``tile`` elements.
 # Colwise, group-item kernel: a program holds one tile of ``tile`` elements: the whole group
 # along the rows (a power of two from ``min_group`` up) times tile / that columns, down to
 # ``tile >> (n_classes - 1) // min_group`` columns (at least 16 so that reads of a row-major
@@ -61,11 +61,14 @@ PIPELINE_MAX_CHUNKS = 8
 
 class RowBlockTiling(NamedTuple):
     tile: int
-    block_other: int
+    item: int
     min_group: int
-    n_classes: int
+    max_class: int
     num_warps: int
-    programs_per_sm: int
+
+    @property
+    def n_classes(self) -> int:
+        return (self.max_class // self.min_group).bit_length()
 
 
 class GroupItemTiling(NamedTuple):
@@ -78,16 +81,14 @@ class GroupItemTiling(NamedTuple):
     programs_per_sm: int
 
 
-ROWWISE_TILING = RowBlockTiling(
-    tile=8192, block_other=64, min_group=32, n_classes=9, num_warps=8, programs_per_sm=2
-)
+ROWWISE_TILING = RowBlockTiling(tile=4096, item=8192, min_group=32, max_class=512, num_warps=4)
 COLWISE_TILING = GroupItemTiling(
     tile=16384, min_group=16, n_classes=7, loop_other=16, loop_group=512, num_warps=4,
     programs_per_sm=4,
 )  # fmt: skip
 # The interpreter (CPU tests): few classes, so that tests of a few hundred rows run every
 # class and the loop; large tiles, as its cost is per operation.
-INTERPRET_ROWWISE_TILING = RowBlockTiling(1024, 16, 16, 4, 4, 1)
+INTERPRET_ROWWISE_TILING = RowBlockTiling(1024, 1024, 16, 128, 4)
 INTERPRET_COLWISE_TILING = GroupItemTiling(1024, 8, 4, 16, 32, 4, 1)
 
 

@@ -27,8 +27,8 @@ SCALE_AT_EPS = tl.constexpr(
     float(torch.tensor(448.0 / EPS, dtype=torch.float32))
 )  # fp32(448 / 1e-12)
 _METHODS = ("auto", "direct", "transpose")
-ITEMS_PER_PROGRAM = 4  # work items per program at least, for balance (see _grid)
 INT64_FROM = 2**31  # the rowwise kernel uses 64-bit element offsets from this extent up
+MAX_ROW_BLOCK = 1024  # rows per rowwise item at most (each value compiles its own kernel)
 
 # ---------------------------------------------------------------------------- reference
 
@@ -83,13 +83,15 @@ def per_group_rowwise_reference(
 # Both kernels see x as [other, group] through strides: the "group" axis is the one ``offs``
 # cuts (columns for rowwise, rows for colwise), the "other" axis has one scale per index.
 #
-# Rowwise (``_row_block_kernel``, groups along the contiguous axis): a work item is (block of
-# BLOCK indices of the other axis, group); programs stride over the items, and an item reads
-# its group's bounds with two scalar loads (one item ahead). The item's tiles span the whole
-# group along the group axis: the power of two >= the group's extent, at least MIN_GROUP (its
-# "size class"), times TILE / that (at most BLOCK) along the other axis; each is loaded once,
-# kept in registers, reduced and written. Groups longer than the largest class take that
-# class's tile in a loop: an amax pass, then a second pass over the same bytes.
+# Rowwise (``_row_block_kernel``, groups along the contiguous axis): one program per work item
+# (block of BLOCK indices of the other axis, group); the launcher sizes BLOCK so that an item
+# holds about ``item`` elements for a group of average width, so there are many small programs
+# and the GPU keeps many tiles in flight. An item's tiles span the whole group along the group
+# axis: the power of two >= the group's extent, at least MIN_GROUP (its "size class"), times
+# TILE / that (at most BLOCK) along the other axis; each is loaded once, reduced and written.
+# Groups wider than the largest class (MAX_CLASS) loop over tiles of TILE elements and at most
+# TILE // MAX_CLASS rows: an amax pass, then a second pass over the same bytes, which an item
+# keeps small enough to find in L2.
 
 
 @triton.jit
@@ -147,9 +149,18 @@ def _amax_bits(x):
 
 
 @triton.jit
+def _e4m3_bits(y, SOFT: tl.constexpr):
+    """e4m3 bits of clamp(y, -448, 448) (NaN stays NaN). On the GPU the conversion saturates
+    (cvt.rn.satfinite), so the clamp is the instruction's own; the interpreter's integer
+    rounding needs it spelled out."""
+    if SOFT:
+        y = _clamp_nan(y)
+    return fp32_to_e4m3_bits(y, SOFT)
+
+
+@triton.jit
 def _store(data_ptr, o, i, mask, y, sdo, sdg, SOFT: tl.constexpr, INT64: tl.constexpr):
-    bits = fp32_to_e4m3_bits(_clamp_nan(y), SOFT)
-    tl.store(data_ptr + _offsets(o, i, sdo, sdg, INT64), bits, mask=mask)
+    tl.store(data_ptr + _offsets(o, i, sdo, sdg, INT64), _e4m3_bits(y, SOFT), mask=mask)
 
 
 @triton.jit
@@ -166,42 +177,27 @@ def _group_block(
 ):  # fmt: skip
     """Group [start, end) (tiles from lo <= start) for the BLOCK other-axis indices from
     o_start, in [BLOCK_O, BLOCK_G] tiles: one read each, or (LOOP) an amax pass along the
-    group and then a second for the data. Each loop issues the next tile's load before it
-    processes the current one, so that a program always has a tile's bytes in flight."""
+    group and then a second for the data."""
     o_end = tl.minimum(o_start + BLOCK, n_other)
-    if LOOP:
-        for o0 in range(o_start, o_end, BLOCK_O):
+    for o0 in range(o_start, o_end, BLOCK_O):
+        if LOOP:
             amax = tl.zeros((BLOCK_O,), dtype=tl.int32)
-            o, i, mask = _tile(o0, lo, start, end, o_end, BLOCK_O, BLOCK_G)
-            raw = _load(x_ptr, o, i, mask, sxo, sxg, INT64)
-            for s in range(lo, end, BLOCK_G):
-                o, i, mask = _tile(o0, s + BLOCK_G, start, end, o_end, BLOCK_O, BLOCK_G)
-                raw_next = _load(x_ptr, o, i, mask, sxo, sxg, INT64)
-                amax = tl.maximum(amax, _amax_bits(to_fp32(raw, SOFT)))
-                raw = raw_next
-            scale = _scales(amax, ROUND_POW2)
-            o, i, mask = _tile(o0, lo, start, end, o_end, BLOCK_O, BLOCK_G)
-            raw = _load(x_ptr, o, i, mask, sxo, sxg, INT64)
             for s in range(lo, end, BLOCK_G):
                 o, i, mask = _tile(o0, s, start, end, o_end, BLOCK_O, BLOCK_G)
-                on, i_next, next_mask = _tile(o0, s + BLOCK_G, start, end, o_end, BLOCK_O, BLOCK_G)
-                raw_next = _load(x_ptr, on, i_next, next_mask, sxo, sxg, INT64)
-                x = to_fp32(raw, SOFT)
+                x = to_fp32(_load(x_ptr, o, i, mask, sxo, sxg, INT64), SOFT)
+                amax = tl.maximum(amax, _amax_bits(x))
+            scale = _scales(amax, ROUND_POW2)
+            for s in range(lo, end, BLOCK_G):
+                o, i, mask = _tile(o0, s, start, end, o_end, BLOCK_O, BLOCK_G)
+                x = to_fp32(_load(x_ptr, o, i, mask, sxo, sxg, INT64), SOFT)
                 _store(data_ptr, o, i, mask, x * scale[:, None], sdo, sdg, SOFT, INT64)
-                raw = raw_next
             _store_scales(scale_ptr, g, o0 + tl.arange(0, BLOCK_O), o_end, n_other, scale, INT64)
-    else:
-        o, i, mask = _tile(o_start, lo, start, end, o_end, BLOCK_O, BLOCK_G)
-        raw = _load(x_ptr, o, i, mask, sxo, sxg, INT64)
-        for o0 in range(o_start, o_end, BLOCK_O):
+        else:
             o, i, mask = _tile(o0, lo, start, end, o_end, BLOCK_O, BLOCK_G)
-            on, i, next_mask = _tile(o0 + BLOCK_O, lo, start, end, o_end, BLOCK_O, BLOCK_G)
-            raw_next = _load(x_ptr, on, i, next_mask, sxo, sxg, INT64)
-            x = to_fp32(raw, SOFT)
+            x = to_fp32(_load(x_ptr, o, i, mask, sxo, sxg, INT64), SOFT)
             scale = _scales(_amax_bits(x), ROUND_POW2)
             _store(data_ptr, o, i, mask, x * scale[:, None], sdo, sdg, SOFT, INT64)
             _store_scales(scale_ptr, g, o, o_end, n_other, scale, INT64)
-            raw = raw_next
 
 
 @triton.jit
@@ -211,30 +207,21 @@ def _group_classes(
     TILE: tl.constexpr, MIN_GROUP: tl.constexpr, N_CLASSES: tl.constexpr,
 ):  # fmt: skip
     """The group's size class picks its tile (see the comment above the kernels); groups
-    longer than the largest class loop over its tile."""
+    wider than the largest class loop over tiles of TILE elements, at most TILE // that
+    class's width rows."""
     c = 0
     for j in tl.static_range(N_CLASSES):
         c += (end - lo > (MIN_GROUP << j)).to(tl.int32)
     for k in tl.static_range(N_CLASSES + 1):
         if c == k:
-            bg: tl.constexpr = MIN_GROUP << (k if k < N_CLASSES else N_CLASSES - 1)
-            bo: tl.constexpr = BLOCK if TILE // bg > BLOCK else TILE // bg
+            rows: tl.constexpr = TILE // (MIN_GROUP << (k if k < N_CLASSES else N_CLASSES - 1))
+            bo: tl.constexpr = BLOCK if rows > BLOCK else rows
+            bg: tl.constexpr = TILE // bo if k == N_CLASSES else MIN_GROUP << k
             _group_block(
                 x_ptr, scale_ptr, data_ptr, g, o_start, lo, start, end, n_other,
                 sxo, sxg, sdo, sdg, ROUND_POW2, SOFT, INT64, BLOCK, bo, bg,
                 LOOP=k == N_CLASSES,
             )  # fmt: skip
-
-
-@triton.jit
-def _group_bounds(offs_ptr, t, n_items, n_groups, extent):
-    """[start, end) of item t's group, clamped to [previous end, extent] (bad offsets cannot
-    reach outside x or data); loaded one item ahead, so its latency hides behind a tile."""
-    g = t % n_groups
-    start = tl.load(offs_ptr + g - 1, mask=(g > 0) & (t < n_items), other=0)
-    start = tl.minimum(tl.maximum(start, 0), extent)
-    end = tl.load(offs_ptr + g, mask=t < n_items, other=0)
-    return start, tl.maximum(tl.minimum(end, extent), start)
 
 
 @triton.jit
@@ -245,39 +232,38 @@ def _row_block_kernel(
 ):  # fmt: skip
     """x: [other, group] through strides (sxo, sxg); data (uint8 e4m3 bits) likewise through
     (sdo, sdg); offs: int32 [n_groups] end offsets along the group axis (length ``extent``);
-    scale: fp32 [n_groups, n_other].
+    scale: fp32 [n_groups, n_other]. Grid: cdiv(n_other, BLOCK) * n_groups programs.
 
-    Item t is (other-axis block t // n_groups of BLOCK indices, group t % n_groups). A group's
-    tiles start at its start rounded down to ALIGN; groups whose bounds are multiples of ALIGN
-    get their own copy of the code, in which the compiler sees that alignment and moves whole
+    Program t handles other-axis block t // n_groups of BLOCK indices and group t % n_groups
+    (neighbouring programs read neighbouring groups of the same rows). Bounds are clamped to
+    [previous end, extent], so bad offsets cannot reach outside x or data. A group's tiles
+    start at its start rounded down to ALIGN; groups whose bounds are multiples of ALIGN get
+    their own copy of the code, in which the compiler sees that alignment and moves whole
     vectors."""
-    n_items = tl.cdiv(n_other, BLOCK) * n_groups
-    next_start, next_end = _group_bounds(offs_ptr, tl.program_id(0), n_items, n_groups, extent)
-    for t in range(tl.program_id(0), n_items, tl.num_programs(0)):
-        g = t % n_groups
-        o_start = t // n_groups * BLOCK
-        start, end = next_start, next_end
-        next_start, next_end = _group_bounds(
-            offs_ptr, t + tl.num_programs(0), n_items, n_groups, extent
-        )
-        if ALIGN == 1:
-            _group_classes(
-                x_ptr, scale_ptr, data_ptr, g, o_start, start, start, end, n_other,
-                sxo, sxg, sdo, sdg, ROUND_POW2, SOFT, INT64, BLOCK, TILE, MIN_GROUP, N_CLASSES,
-            )  # fmt: skip
-        elif (start % ALIGN == 0) & (end % ALIGN == 0):
-            a0 = start // ALIGN * ALIGN  # the same values, in a form that shows the alignment
-            a1 = end // ALIGN * ALIGN
-            _group_classes(
-                x_ptr, scale_ptr, data_ptr, g, o_start, a0, a0, a1, n_other,
-                sxo, sxg, sdo, sdg, ROUND_POW2, SOFT, INT64, BLOCK, TILE, MIN_GROUP, N_CLASSES,
-            )  # fmt: skip
-        else:
-            _group_classes(
-                x_ptr, scale_ptr, data_ptr, g, o_start, start // ALIGN * ALIGN, start, end,
-                n_other, sxo, sxg, sdo, sdg, ROUND_POW2, SOFT, INT64, BLOCK, TILE,
-                MIN_GROUP, N_CLASSES,
-            )  # fmt: skip
+    t = tl.program_id(0)
+    g = t % n_groups
+    o_start = t // n_groups * BLOCK
+    start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0)
+    start = tl.minimum(tl.maximum(start, 0), extent)
+    end = tl.maximum(tl.minimum(tl.load(offs_ptr + g), extent), start)
+    if ALIGN == 1:
+        _group_classes(
+            x_ptr, scale_ptr, data_ptr, g, o_start, start, start, end, n_other,
+            sxo, sxg, sdo, sdg, ROUND_POW2, SOFT, INT64, BLOCK, TILE, MIN_GROUP, N_CLASSES,
+        )  # fmt: skip
+    elif (start % ALIGN == 0) & (end % ALIGN == 0):
+        a0 = start // ALIGN * ALIGN  # the same values, in a form that shows the alignment
+        a1 = end // ALIGN * ALIGN
+        _group_classes(
+            x_ptr, scale_ptr, data_ptr, g, o_start, a0, a0, a1, n_other,
+            sxo, sxg, sdo, sdg, ROUND_POW2, SOFT, INT64, BLOCK, TILE, MIN_GROUP, N_CLASSES,
+        )  # fmt: skip
+    else:
+        _group_classes(
+            x_ptr, scale_ptr, data_ptr, g, o_start, start // ALIGN * ALIGN, start, end,
+            n_other, sxo, sxg, sdo, sdg, ROUND_POW2, SOFT, INT64, BLOCK, TILE,
+            MIN_GROUP, N_CLASSES,
+        )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- colwise kernel
@@ -300,7 +286,7 @@ def _load_tile(x_ptr, o, i, mask, sxo, sxg, SOFT: tl.constexpr):
 @triton.jit
 def _store_tile(data_ptr, o, i, mask, y, sdo, sdg, SOFT: tl.constexpr):
     ptrs = data_ptr + o[:, None].to(tl.int64) * sdo + i[None, :].to(tl.int64) * sdg
-    tl.store(ptrs, fp32_to_e4m3_bits(_clamp_nan(y), SOFT), mask=mask)
+    tl.store(ptrs, _e4m3_bits(y, SOFT), mask=mask)
 
 
 @triton.jit
@@ -410,26 +396,11 @@ def _group_item_kernel(
 # ---------------------------------------------------------------------------- launchers
 
 
-def _programs(
-    device: torch.device, tiling: _config.RowBlockTiling | _config.GroupItemTiling
-) -> int:
-    """Persistent grid: programs_per_sm per multiprocessor (4 under the interpreter, which
-    runs programs one after another)."""
-    return 4 if device.type != "cuda" else sm_count(device) * tiling.programs_per_sm
-
-
-def _grid(device: torch.device, tiling: _config.RowBlockTiling, n_other: int, n_groups: int):
-    """(programs, other-axis indices per item) of the row-block kernel: items of up to
-    tiling.block_other indices, halved (down to the largest class's extent along the other
-    axis) while there would be fewer than ITEMS_PER_PROGRAM items per program."""
-    programs = _programs(device, tiling)
-    block = tiling.block_other
-    smallest = tiling.tile // (tiling.min_group << (tiling.n_classes - 1))  # the loop's tile
-    while (
-        block > smallest and triton.cdiv(n_other, block) * n_groups < ITEMS_PER_PROGRAM * programs
-    ):
-        block //= 2
-    return min(programs, triton.cdiv(n_other, block) * n_groups), block
+def _row_block(tiling: _config.RowBlockTiling, n_other: int, extent: int, n_groups: int) -> int:
+    """Other-axis indices per item of the row-block kernel: a power of two near
+    tiling.item / (average group width), at most next_power_of_2(n_other) and MAX_ROW_BLOCK."""
+    want = tiling.item // max(1, extent // n_groups)
+    return min(triton.next_power_of_2(max(1, want)), triton.next_power_of_2(n_other), MAX_ROW_BLOCK)
 
 
 def _extent(t: torch.Tensor) -> int:
@@ -459,8 +430,8 @@ def _per_group_triton(
     )
     if group_dim == 1:
         t = _config.per_group_tiling(1, interpreted=soft)
-        programs, block = _grid(x.device, t, n_other, g)
-        _row_block_kernel[(programs,)](
+        block = _row_block(t, n_other, x.shape[1], g)
+        _row_block_kernel[(triton.cdiv(n_other, block) * g,)](
             x, offs, scales, data, n_other, x.shape[1], g, *strides,
             ROUND_POW2=pow2, SOFT=soft, INT64=int64, ALIGN=16 if x.stride(1) == 1 else 1,
             BLOCK=block, TILE=t.tile, MIN_GROUP=t.min_group, N_CLASSES=t.n_classes,
@@ -468,7 +439,8 @@ def _per_group_triton(
         )  # fmt: skip
     else:
         c = _config.per_group_tiling(0, interpreted=soft)
-        _group_item_kernel[(_programs(x.device, c),)](
+        programs = 4 if soft else sm_count(x.device) * c.programs_per_sm  # persistent
+        _group_item_kernel[(programs,)](
             x, offs, scales, data, n_other, x.shape[0], g, *strides,
             ROUND_POW2=pow2, SOFT=soft, ALIGN=16 if x.stride(0) == 1 else 1,
             TILE=c.tile, MIN_GROUP=c.min_group, N_CLASSES=c.n_classes,

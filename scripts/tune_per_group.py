@@ -30,17 +30,18 @@ def offsets(total: int, n_groups: int, g: torch.Generator) -> torch.Tensor:
 
 
 def tilings(kind: str) -> list:
-    """Rowwise (row-block kernel): the largest class is one row of ``tile`` columns, programs
-    per SM about what the registers allow (ptxas: 128-168 per thread for these tiles).
-    Colwise (group-item kernel): the last class is ``min_other`` columns wide."""
+    """Rowwise (row-block kernel): tiles of 2048-4096 elements, the widest class 256-1024
+    columns, items of 8192-16384 elements. Colwise (group-item kernel): the last class is
+    ``min_other`` columns wide."""
     out = []
     if kind == "rowwise":
-        for tile, block, warps, per_sm in [
-            (8192, 256, 8, 2), (8192, 64, 8, 2), (4096, 256, 4, 3), (4096, 64, 4, 3),
-            (4096, 256, 8, 2), (2048, 64, 4, 6),
+        for tile, item, max_class, warps in [
+            (4096, 8192, 512, 4), (4096, 8192, 256, 4), (4096, 8192, 1024, 4),
+            (4096, 16384, 512, 4), (2048, 8192, 512, 4), (2048, 8192, 256, 4),
+            (2048, 16384, 512, 4), (4096, 8192, 512, 8), (8192, 16384, 1024, 8),
+            (4096, 4096, 512, 4),
         ]:  # fmt: skip
-            n_classes = (tile // 32).bit_length()  # classes 32 .. tile columns
-            out.append(_config.RowBlockTiling(tile, block, 32, n_classes, warps, per_sm))
+            out.append(_config.RowBlockTiling(tile, item, 32, max_class, warps))
     else:
         for tile, min_other, warps in itertools.product([8192, 16384], [16, 32], [4, 8]):
             n_classes = (tile // (16 * min_other)).bit_length()  # classes 16 .. tile/min_other rows
@@ -51,6 +52,7 @@ def tilings(kind: str) -> list:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--json")
+    p.add_argument("--kind", choices=["rowwise", "colwise", "both"], default="both")
     args = p.parse_args()
     g = torch.Generator().manual_seed(0)
     x = torch.randn(N, M, dtype=torch.bfloat16).cuda()
@@ -60,6 +62,8 @@ def main() -> None:
         ("rowwise", lambda o: per_group_rowwise_scales(x, o[0], method="direct", validate=False)),
         ("colwise", lambda o: per_group_colwise_scales(x, o[1], validate=False)),
     ):
+        if args.kind not in (kind, "both"):
+            continue
         for tiling in tilings(kind):
             setattr(_config, f"{kind.upper()}_TILING", tiling)
             for n_groups, o in offs.items():

@@ -51,10 +51,10 @@ def per_group_builds(cap):
     """The rowwise kernel (row-major x, bf16 with 32- and 64-bit offsets, fp32) and the
     colwise kernel, with the GPU tilings and the strides the benchmarks give them."""
     tile = _config.ROWWISE_TILING
-    for dtype, int64 in (("bf16", False), ("bf16", True), ("fp32", False)):
+    for dtype, int64, block in (("bf16", False, 64), ("bf16", True, 1), ("fp32", False, 16)):
         sig = per_group_sig(dtype)
         consts = {"sxg": 1, "sdg": 1, "ROUND_POW2": False, "SOFT": False, "INT64": int64}
-        consts |= {"ALIGN": 16, "BLOCK": tile.block_other, "TILE": tile.tile}
+        consts |= {"ALIGN": 16, "BLOCK": block, "TILE": tile.tile}
         consts |= {"MIN_GROUP": tile.min_group, "N_CLASSES": tile.n_classes}
         aligned = PER_GROUP_ARGS[:6] + ["sxo", "sdo"]
         ptx = build(_row_block_kernel, sig, consts, cap, aligned, tile.num_warps)

@@ -33,6 +33,7 @@ def _data(shape, dtype, device, g):
     x[1 % shape[0], 2] = float("inf")
     x[2 % shape[0], :] = 0.0
     x[3 % shape[0], 5:9] = 1e-13
+    x[4 % shape[0], 3] = -float("inf")  # in a row without NaN: -inf * 0 scale is NaN
     return x.to(dtype).to(device)
 
 
@@ -69,21 +70,19 @@ def test_colwise_and_rowwise_match_reference(device, dtype, pow2, n_groups, kind
         _same(got, want)
 
 
-def test_row_block_items_stay_balanced():
-    """The rowwise launcher halves the rows per item until every program gets several items,
-    but never below the extent of the looping tile; it never launches idle programs."""
+def test_row_block_size():
+    """Rows per rowwise item: about tiling.item elements for a group of average width, a
+    power of two, never more than the tensor's rows (rounded up) or MAX_ROW_BLOCK."""
     from mxfp8_a2a._config import RowBlockTiling
-    from mxfp8_a2a.per_group_scales import ITEMS_PER_PROGRAM, _grid
+    from mxfp8_a2a.per_group_scales import MAX_ROW_BLOCK, _row_block
 
-    cpu = torch.device("cpu")  # 4 programs
-    t = RowBlockTiling(tile=1024, block_other=64, min_group=16, n_classes=4, num_warps=4,
-                       programs_per_sm=1)  # fmt: skip
-    assert _grid(cpu, t, 16640, 64) == (4, 64)  # plenty of items: full blocks
-    assert _grid(cpu, t, 500, 1) == (4, 32)  # 16 items of 32 rows, not 8 of 64
-    assert 4 * ITEMS_PER_PROGRAM == 16
-    assert _grid(cpu, t, 100, 1) == (4, 8)  # 8 = the looping tile's rows: 1024 // (16 << 3)
-    wide = t._replace(tile=256)  # the looping tile is 256 // (16 << 3) = 2 rows
-    assert _grid(cpu, wide, 3, 1) == (2, 2)  # 2 items of up to 2 rows: 2 programs
+    t = RowBlockTiling(tile=4096, item=8192, min_group=32, max_class=512, num_warps=4)
+    assert _row_block(t, 16640, 8192, 1) == 1  # one group 8192 wide: one row
+    assert _row_block(t, 16640, 8192, 16) == 16  # 512 wide on average
+    assert _row_block(t, 16640, 8192, 64) == 64
+    assert _row_block(t, 16640, 8000, 64) == 128  # 125 wide: 65.5 rows, rounded up
+    assert _row_block(t, 5, 8192, 64) == 8  # 5 rows
+    assert _row_block(t, 16640, 64, 64) == MAX_ROW_BLOCK  # groups of one column
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
@@ -108,6 +107,9 @@ def test_groups_longer_than_one_tile(dtype):
     _same(per_group_colwise_scales(x, offs), per_group_colwise_reference(x, offs))
     x = _data((24, 9000), dtype, "cuda", g)  # rowwise: a group 8500 columns wide
     offs = torch.tensor([500, 9000], dtype=torch.int32, device="cuda")
+    _same(per_group_rowwise_scales(x, offs), per_group_rowwise_reference(x, offs))
+    x = _data((200, 9000), dtype, "cuda", g)  # narrow groups (large items) and a wide one
+    offs = torch.tensor([16 * i for i in range(1, 64)] + [9000], dtype=torch.int32, device="cuda")
     _same(per_group_rowwise_scales(x, offs), per_group_rowwise_reference(x, offs))
 
 
