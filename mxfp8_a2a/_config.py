@@ -54,9 +54,11 @@ PIPELINE_MAX_CHUNKS = 8
 # ``tile >> (n_classes - 1) // min_group`` columns (at least 16 so that reads of a row-major
 # x stay coalesced); longer groups loop in [loop_other, loop_group] tiles.
 # Values: best of scripts/tune_per_group.py on an H200 (torch 2.11, triton 3.6), x (16640,
-# 8192) bf16 with 1/16/64 groups; tables in BENCHMARKS.md. The row-block kernel with the
-# colwise layout measured 312/468/486 us at best against 348/363/347 for the group-item
-# kernel, so colwise keeps the latter.
+# 8192) bf16 with 1/16/64 groups; tables in BENCHMARKS.md. Rowwise: the best worst case of
+# three interleaved rounds (110.9 / 138.7 / 142.5 us); a widest class of 256 measured 134 us
+# at 16 groups but 150 at 64. A persistent row-block kernel with the colwise layout measured
+# 312/468/486 us at best against 348/363/347 for the group-item kernel, so colwise keeps the
+# latter.
 
 
 class RowBlockTiling(NamedTuple):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import statistics
 
 import torch
 import triton
@@ -53,7 +54,18 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--json")
     p.add_argument("--kind", choices=["rowwise", "colwise", "both"], default="both")
+    p.add_argument(
+        "--rowwise", action="append", metavar="TILE,ITEM,MAX_CLASS,WARPS",
+        help="rowwise tilings to try instead of the built-in list (repeatable)",
+    )  # fmt: skip
+    p.add_argument("--rounds", type=int, default=1, help="times through the list, interleaved")
     args = p.parse_args()
+    chosen = {"rowwise": tilings("rowwise"), "colwise": tilings("colwise")}
+    if args.rowwise:
+        chosen["rowwise"] = []
+        for text in args.rowwise:
+            tile, item, max_class, warps = (int(v) for v in text.split(","))
+            chosen["rowwise"].append(_config.RowBlockTiling(tile, item, 32, max_class, warps))
     g = torch.Generator().manual_seed(0)
     x = torch.randn(N, M, dtype=torch.bfloat16).cuda()
     offs = {n: (offsets(M, n, g), offsets(N, n, g)) for n in (1, 16, 64)}
@@ -64,7 +76,7 @@ def main() -> None:
     ):
         if args.kind not in (kind, "both"):
             continue
-        for tiling in tilings(kind):
+        for tiling in chosen[kind] * args.rounds:
             setattr(_config, f"{kind.upper()}_TILING", tiling)
             for n_groups, o in offs.items():
                 ms = triton.testing.do_bench(lambda o=o, fn=fn: fn(o), return_mode="median")
@@ -79,6 +91,16 @@ def main() -> None:
                 )
                 print(rows[-1], flush=True)
     print(tabulate(rows, headers="keys", floatfmt=".1f"))
+    if args.rounds > 1:
+        runs: dict[tuple, list[float]] = {}
+        for r in rows:
+            runs.setdefault((r["fn"], r["tiling"], r["groups"]), []).append(r["us"])
+        summary = [
+            {"fn": k[0], "tiling": k[1], "groups": k[2], "median us": statistics.median(v),
+             "min us": min(v), "max us": max(v)}
+            for k, v in runs.items()
+        ]  # fmt: skip
+        print(tabulate(summary, headers="keys", floatfmt=".1f"))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
