@@ -38,7 +38,7 @@ PY
 )
 report="$out/ncu_${layout}_${groups}"
 # Profile the third launch: the first compiles the kernel, the second warms the caches.
-"$ncu_bin" --kernel-name regex:"_row_block_kernel|_group_item_kernel|_np_kernel" --launch-skip 2 --launch-count 1 \
+"$ncu_bin" --kernel-name regex:"_row_block_kernel|_group_item_kernel" --launch-skip 2 --launch-count 1 \
   --set full --clock-control none -f -o "$report" python3 -c "$prog" > "$report.log" 2>&1 || tail -20 "$report.log"
 "$ncu_bin" --import "$report.ncu-rep" --page details > "$report.txt" 2>&1
 grep -E "Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Issue Slots Busy|Registers Per Thread|Achieved Occupancy|Theoretical Occupancy|Executed Ipc Active|Executed Instructions |L1/TEX Hit|L2 Hit|Warp Cycles Per Issued|Block Limit Registers" "$report.txt" | head -24
