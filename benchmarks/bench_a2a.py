@@ -128,7 +128,39 @@ def time_directions(name, f, x, grad, timer) -> dict:
     return {f"{name} fwd": fwd, f"{name} bwd": bwd, f"{name} fwd+bwd": both}
 
 
-def bench_shape(tokens, dim, kind, timer, device, mode, chunk_settings):
+def captured(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """fn captured in a CUDA graph, after warm-up calls on a side stream."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def time_graphed(name, f, x, grad, timer) -> dict:
+    """Replays of f's forward (no grad) and forward+backward captured in CUDA graphs."""
+
+    def fwd():
+        with torch.no_grad():
+            f(x)
+
+    def both():
+        f(x.detach().requires_grad_(True)).backward(grad)
+
+    res = {}
+    for phase, fn in (("fwd", fwd), ("fwd+bwd", both)):
+        graph = captured(fn)
+        res[f"{name} graph {phase}"] = timer(lambda _, g=graph: g.replay())
+        del graph
+    return res
+
+
+def bench_shape(tokens, dim, kind, timer, device, mode, chunk_settings, graphs=False):
     world, rank = dist.get_world_size(), dist.get_rank()
     in_splits = make_splits(tokens, world, rank, kind)
     out_splits = mx.compute_output_splits(in_splits)
@@ -148,6 +180,13 @@ def bench_shape(tokens, dim, kind, timer, device, mode, chunk_settings):
 
         res.update(time_directions(f"mxfp8 c={chunks or 'auto'}", mxfp8, x, grad, timer))
 
+    if graphs:
+
+        def mxfp8_graph(x_):
+            return mx.to_mxfp8_a2a_dequant(x_, out_splits, in_splits, scaling_mode=mode)
+
+        res |= time_graphed("bf16", bf16, x, grad, timer)
+        res |= time_graphed("mxfp8", mxfp8_graph, x, grad, timer)
     packed = quantize_packed(x, scaling_mode=mode)
     recv = packed.new_empty((sum(out_splits), packed.shape[1]))
     res["quant"] = timer(lambda _: quantize_packed(x, scaling_mode=mode))
@@ -188,6 +227,18 @@ def table_rows(shape: str, kind: str, r: dict, world: int, chunk_settings) -> li
     return rows
 
 
+GRAPH_HEADERS = ["shape", "dir", "bf16", "bf16 graph", "mxfp8 graph", "vs bf16", "vs bf16 graph"]
+
+
+def graph_rows(results: dict) -> list[list]:
+    rows = []
+    for shape, r in results.items():
+        for phase in ("fwd", "fwd+bwd"):
+            b, bg, mg = r[f"bf16 {phase}"], r[f"bf16 graph {phase}"], r[f"mxfp8 graph {phase}"]
+            rows.append([shape, phase, b, bg, mg, b / mg, bg / mg])
+    return rows
+
+
 HEADERS = [
     "shape",
     "splits",
@@ -220,6 +271,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--scaling-mode", choices=["rceil", "floor"], default="rceil")
     p.add_argument(
+        "--graphs",
+        action="store_true",
+        help="also time bf16 and mxfp8 (one piece) captured in CUDA graphs (CUDA only)",
+    )
+    p.add_argument(
         "--beside",
         help="tuning: FREE_SMS,BLOCK_G,NUM_WARPS of the casts beside a collective"
         " (BESIDE_COMM_* in _config.py)",
@@ -250,6 +306,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     info["NCCL_P2P_DISABLE"] = os.environ.get("NCCL_P2P_DISABLE", "0")
     info["chunks"] = [c or "auto" for c in chunk_settings]
+    info["graphs"] = bool(args.graphs and cuda)
     info["beside"] = (
         f"{_config.BESIDE_COMM_FREE_SMS},{_config.BESIDE_COMM_BLOCK_G},{_config.BESIDE_COMM_NUM_WARPS}"
     )
@@ -257,7 +314,10 @@ def main(argv: list[str] | None = None) -> None:
     results, rows = {}, []
     for text in shapes:
         tokens, dim = parse_shape(text)
-        r = bench_shape(tokens, dim, args.splits, timer, device, args.scaling_mode, chunk_settings)
+        r = bench_shape(
+            tokens, dim, args.splits, timer, device, args.scaling_mode, chunk_settings,
+            args.graphs and cuda,
+        )  # fmt: skip
         results[text] = r
         rows += table_rows(text, args.splits, r, world, chunk_settings)
         progress.step(text)
@@ -276,6 +336,9 @@ def main(argv: list[str] | None = None) -> None:
             )
         )
         print("* mxfp8 GB/s count the logical bf16 bytes, so they compare directly with bf16's.")
+        if args.graphs and cuda:
+            print("\nCUDA graph replays (ms; speedup of mxfp8 graph over eager and graphed bf16):")
+            print(tabulate(graph_rows(results), headers=GRAPH_HEADERS, floatfmt=".3f"))
         write_json(args.json, {"info": info, "results": results})
         if args.plot:
             plot(results, info, args.plot)

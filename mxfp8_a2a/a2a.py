@@ -46,6 +46,22 @@ def _splits_list(splits: Splits, name: str, device: torch.device) -> list[int]:
     return out
 
 
+def _check_capturable(output_splits, input_splits, chunks, validate) -> None:
+    """Under CUDA graph capture nothing may wait for the GPU: no piece count agreed at run
+    time, no validation round, no splits read back from the GPU."""
+    for name, value in (("output_splits", output_splits), ("input_splits", input_splits)):
+        if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+            raise ValueError(
+                f"{name} is a {value.device} tensor; under CUDA graph capture pass the splits "
+                "as a list of ints (reading them back would synchronize)"
+            )
+    if chunks is None or validate or os.environ.get(VALIDATE_ENV, "0") == "1":
+        raise ValueError(
+            "under CUDA graph capture pass chunks=<int> (chunks=None agrees on a count at run "
+            f"time) and validate=False (and leave {VALIDATE_ENV} unset): both synchronize"
+        )
+
+
 def _comm_device(group: dist.ProcessGroup | None) -> torch.device:
     """The device the collectives of ``group`` take tensors on (CUDA for NCCL)."""
     if "nccl" in str(dist.get_backend(group)):
@@ -217,7 +233,15 @@ def to_mxfp8_a2a_dequant(
         block holding inf keeps +-448 * 2^127 (inf) there and loses its small values.
     Backward: the gradient is quantized, exchanged with the splits swapped, dequantized.
     On the wire each row is uint8 [K e4m3 bytes | K/32 scale bytes].
+
+    CUDA graphs: with fixed shapes and splits the call (forward and backward) can be captured
+    with torch.cuda.graph; replays give the eager results bit for bit and skip the host work
+    that dominates small exchanges. Capture with splits as lists of ints, an int ``chunks``
+    and validate=False (anything that would synchronize raises a ValueError under capture).
     """
+    if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        # raised at once: the validation round would itself synchronize
+        _check_capturable(output_splits, input_splits, chunks, validate)
     world = dist.get_world_size(group)
     out_splits: list[int] = []
     in_splits: list[int] = []

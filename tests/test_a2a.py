@@ -12,6 +12,7 @@ from a2a_workers import (
     edge_cases,
     exact_forward_backward,
     exact_large,
+    graph_capture,
     memory_flat,
     routing,
     sqnr_vs_bf16,
@@ -101,3 +102,8 @@ def test_memory_flat_over_10000_calls():
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_torch_compile_fullgraph(backend):
     run_distributed(compiled, 2, backend, backend=backend)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="CUDA graphs of NCCL need >= 2 GPUs")
+def test_cuda_graph_capture():
+    run_distributed(graph_capture, torch.cuda.device_count(), "nccl", _seed(), backend="nccl")
