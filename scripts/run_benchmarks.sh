@@ -16,7 +16,8 @@ run() { echo "+ $*" >&2; "$@"; }
 run python3 "$here/benchmarks/bench_cast.py" --json "$out/cast.json" 2>&1 | tee "$out/cast.txt"
 run python3 "$here/benchmarks/bench_per_group_scales.py" --json "$out/per_group.json" 2>&1 | tee "$out/per_group.txt"
 for splits in equal skewed; do
-  run torchrun --nproc-per-node="$nproc" "$here/benchmarks/bench_a2a.py" --splits "$splits" \
+  graphs=(); [[ $splits == equal ]] && graphs=(--graphs)
+  run torchrun --nproc-per-node="$nproc" "$here/benchmarks/bench_a2a.py" --splits "$splits" "${graphs[@]}" \
     --json "$out/a2a_${splits}.json" --plot "$out/a2a_${splits}.png" 2>&1 | tee "$out/a2a_${splits}.txt"
 done
 NCCL_P2P_DISABLE=1 run torchrun --nproc-per-node="$nproc" "$here/benchmarks/bench_a2a.py" \
