@@ -33,7 +33,7 @@ from tabulate import tabulate
 
 import mxfp8_a2a as mx
 from mxfp8_a2a import _config
-from mxfp8_a2a._launch import init_from_torchrun
+from mxfp8_a2a._launch import capture_graph, init_from_torchrun
 from mxfp8_a2a.dequantize import dequantize_packed
 from mxfp8_a2a.quantize import quantize_packed
 
@@ -128,20 +128,6 @@ def time_directions(name, f, x, grad, timer) -> dict:
     return {f"{name} fwd": fwd, f"{name} bwd": bwd, f"{name} fwd+bwd": both}
 
 
-def captured(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
-    """fn captured in a CUDA graph, after warm-up calls on a side stream."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
-
-
 def time_graphed(name, f, x, grad, timer) -> dict:
     """Replays of f's forward (no grad) and forward+backward captured in CUDA graphs."""
 
@@ -154,7 +140,7 @@ def time_graphed(name, f, x, grad, timer) -> dict:
 
     res = {}
     for phase, fn in (("fwd", fwd), ("fwd+bwd", both)):
-        graph = captured(fn)
+        graph, _ = capture_graph(fn)
         res[f"{name} graph {phase}"] = timer(lambda _, g=graph: g.replay())
         del graph
     return res

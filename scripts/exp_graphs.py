@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import mxfp8_a2a as mx
-from mxfp8_a2a._launch import init_from_torchrun
+from mxfp8_a2a._launch import capture_graph, init_from_torchrun
 
 
 def timed(fn, reps: int = 30) -> float:
@@ -36,17 +36,9 @@ def timed(fn, reps: int = 30) -> float:
 
 
 def graphed(fn):
-    """(replay, outputs) of fn captured after warm-up on a side stream."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = fn()
-    return g.replay, out
+    """(replay, outputs) of fn captured in a CUDA graph."""
+    graph, out = capture_graph(fn)
+    return graph.replay, out
 
 
 def shape_row(tokens: int, device: torch.device, world: int) -> dict:

@@ -15,6 +15,7 @@ import torch.distributed._functional_collectives as funcol
 from helpers import sqnr_db
 
 import mxfp8_a2a as mx
+from mxfp8_a2a._launch import capture_graph
 
 
 def device_for(backend: str) -> torch.device:
@@ -323,20 +324,6 @@ def compiled(rank, world, backend):
     assert torch.equal(xa.grad, xb.grad)
 
 
-def _captured(fn):
-    """A CUDA graph of fn (warmed up on a side stream first) and fn's outputs in it."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
-
-
 def graph_capture(rank, world, backend, seed):
     """Forward and forward+backward captured in CUDA graphs: a replay on new data matches
     the eager call bit for bit (uneven splits, kept rows large enough to take the round-trip
@@ -367,8 +354,8 @@ def graph_capture(rank, world, backend, seed):
         return y, xg.grad
 
     refill()
-    graph_f, out = _captured(fwd)
-    graph_b, (y, gx) = _captured(fwd_bwd)
+    graph_f, out = capture_graph(fwd, warmup=2)
+    graph_b, (y, gx) = capture_graph(fwd_bwd, warmup=2)
     for _ in range(2):
         refill()
         graph_f.replay()
