@@ -107,3 +107,30 @@ def test_torch_compile_fullgraph(backend):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="CUDA graphs of NCCL need >= 2 GPUs")
 def test_cuda_graph_capture():
     run_distributed(graph_capture, torch.cuda.device_count(), "nccl", _seed(), backend="nccl")
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(chunks=None), "chunks=<int>"),
+        (dict(validate=True), "validate=False"),
+        (dict(output_splits=torch.tensor([1, 1], device="meta")), "list of ints"),
+    ],
+)
+def test_capture_check_names_what_would_synchronize(bad, match):
+    """What to_mxfp8_a2a_dequant checks under CUDA graph capture (the CUDA path itself runs
+    in test_cuda_graph_capture)."""
+    from mxfp8_a2a.a2a import _check_capturable
+
+    args = dict(output_splits=[1, 1], input_splits=[1, 1], chunks=1, validate=False) | bad
+    with pytest.raises(ValueError, match=match):
+        _check_capturable(**args)
+    _check_capturable([1, 1], torch.tensor([1, 1]), 2, False)  # CPU splits and an int pass
+
+
+def test_capture_check_sees_the_validate_environment(monkeypatch):
+    from mxfp8_a2a.a2a import VALIDATE_ENV, _check_capturable
+
+    monkeypatch.setenv(VALIDATE_ENV, "1")
+    with pytest.raises(ValueError, match=VALIDATE_ENV):
+        _check_capturable([1, 1], [1, 1], 1, False)
