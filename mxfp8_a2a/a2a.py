@@ -239,7 +239,7 @@ def to_mxfp8_a2a_dequant(
     that dominates small exchanges. Capture with splits as lists of ints, an int ``chunks``
     and validate=False (anything that would synchronize raises a ValueError under capture).
     """
-    capturing = not torch.compiler.is_compiling() and x.device.type == "cuda"
+    capturing = not torch.compiler.is_compiling() and isinstance(x, torch.Tensor) and x.is_cuda
     if capturing and torch.cuda.is_current_stream_capturing():
         # raised at once: the validation round would itself synchronize
         _check_capturable(output_splits, input_splits, chunks, validate)
