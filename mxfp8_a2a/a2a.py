@@ -46,6 +46,11 @@ def _splits_list(splits: Splits, name: str, device: torch.device) -> list[int]:
     return out
 
 
+def _validating(validate: bool) -> bool:
+    """Whether the call validates its splits: ``validate``, or VALIDATE_ENV=1."""
+    return validate or os.environ.get(VALIDATE_ENV, "0") == "1"
+
+
 def _check_capturable(output_splits, input_splits, chunks, validate) -> None:
     """Under CUDA graph capture nothing may wait for the GPU: no piece count agreed at run
     time, no validation round, no splits read back from the GPU."""
@@ -55,7 +60,7 @@ def _check_capturable(output_splits, input_splits, chunks, validate) -> None:
                 f"{name} is a {value.device} tensor; under CUDA graph capture pass the splits "
                 "as a list of ints (reading them back would synchronize)"
             )
-    if chunks is None or validate or os.environ.get(VALIDATE_ENV, "0") == "1":
+    if chunks is None or _validating(validate):
         raise ValueError(
             "under CUDA graph capture pass chunks=<int> (chunks=None agrees on a count at run "
             f"time) and validate=False (and leave {VALIDATE_ENV} unset): both synchronize"
@@ -261,7 +266,7 @@ def to_mxfp8_a2a_dequant(
         _check_splits(x, out_splits, in_splits, world, dist.get_rank(group))
     except (TypeError, ValueError) as e:
         error = e
-    if validate or os.environ.get(VALIDATE_ENV, "0") == "1":
+    if _validating(validate):
         _check_all_ranks(error, out_splits, in_splits, group)
     elif error is not None:
         raise error
