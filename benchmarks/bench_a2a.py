@@ -23,12 +23,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from common import Progress, median, parse_shape, versions, write_json
+from common import Progress, Timer, parse_shape, versions, write_json
 from tabulate import tabulate
 
 import mxfp8_a2a as mx
@@ -67,44 +65,6 @@ def make_splits(tokens: int, world: int, rank: int, kind: str) -> list[int]:
         base = [int(tokens * v / sum(w)) for v in w]
     base[rank] += tokens - sum(base)
     return base
-
-
-class Timer:
-    """Per-iteration timing: barrier + sync before each, CUDA events (or host clock) around."""
-
-    def __init__(self, device: torch.device, iters: int, warmup: int):
-        self.device, self.iters, self.warmup = device, iters, warmup
-
-    def __call__(
-        self, fn: Callable[[object], object], setup: Callable[[], object] | None = None
-    ) -> float:
-        cuda = self.device.type == "cuda"
-        times, events = [], []
-        for i in range(self.warmup + self.iters):
-            state = setup() if setup else None
-            dist.barrier()
-            if cuda:
-                torch.cuda.synchronize()
-                start, end = (
-                    torch.cuda.Event(enable_timing=True),
-                    torch.cuda.Event(enable_timing=True),
-                )
-                start.record()
-                fn(state)
-                end.record()
-                if i >= self.warmup:
-                    events.append((start, end))
-            else:
-                t0 = time.perf_counter()
-                fn(state)
-                if i >= self.warmup:
-                    times.append((time.perf_counter() - t0) * 1e3)
-        if cuda:
-            torch.cuda.synchronize()
-            times = [s.elapsed_time(e) for s, e in events]
-        t = torch.tensor([median(times)], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t.item()
 
 
 def sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import triton
 
 
@@ -67,3 +68,43 @@ class Progress:
             print(f"\r[{bar}] {self.done}/{self.total} {label:<30}", end="", file=sys.stderr)
             if self.done == self.total:
                 print(file=sys.stderr)
+
+
+class Timer:
+    """Per-iteration timing of a torchrun process group: barrier + sync before each, CUDA
+    events (or host clock) around; the median over iterations per rank, then the max over
+    ranks."""
+
+    def __init__(self, device: torch.device, iters: int, warmup: int):
+        self.device, self.iters, self.warmup = device, iters, warmup
+
+    def __call__(
+        self, fn: Callable[[object], object], setup: Callable[[], object] | None = None
+    ) -> float:
+        cuda = self.device.type == "cuda"
+        times, events = [], []
+        for i in range(self.warmup + self.iters):
+            state = setup() if setup else None
+            dist.barrier()
+            if cuda:
+                torch.cuda.synchronize()
+                start, end = (
+                    torch.cuda.Event(enable_timing=True),
+                    torch.cuda.Event(enable_timing=True),
+                )
+                start.record()
+                fn(state)
+                end.record()
+                if i >= self.warmup:
+                    events.append((start, end))
+            else:
+                t0 = time.perf_counter()
+                fn(state)
+                if i >= self.warmup:
+                    times.append((time.perf_counter() - t0) * 1e3)
+        if cuda:
+            torch.cuda.synchronize()
+            times = [s.elapsed_time(e) for s, e in events]
+        t = torch.tensor([median(times)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item()

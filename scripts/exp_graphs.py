@@ -3,14 +3,15 @@
     torchrun --nproc-per-node=2 scripts/exp_graphs.py
 
 Per shape: eager and graphed bf16 all_to_all_single and mxfp8 exchange (forward, and
-forward+backward), ms as bench_a2a times them (barrier + sync before each call, CUDA
-events, median over calls, max over ranks); and whether a replay on new input gives the
+forward+backward), ms timed by the benchmarks' Timer (barrier + sync before each call, CUDA
+events, median of 30 after 5, max over ranks); and whether a replay on new input gives the
 eager result bit for bit.
 """
 
 from __future__ import annotations
 
-import statistics
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -18,27 +19,8 @@ import torch.distributed as dist
 import mxfp8_a2a as mx
 from mxfp8_a2a._launch import capture_graph, init_from_torchrun
 
-
-def timed(fn, reps: int = 30) -> float:
-    times = []
-    for _ in range(reps + 5):
-        dist.barrier()
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    t = torch.tensor([statistics.median(times[5:])], device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
-
-def graphed(fn):
-    """(replay, outputs) of fn captured in a CUDA graph."""
-    graph, out = capture_graph(fn)
-    return graph.replay, out
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from common import Timer  # noqa: E402
 
 
 def shape_row(tokens: int, device: torch.device, world: int) -> dict:
@@ -64,19 +46,20 @@ def shape_row(tokens: int, device: torch.device, world: int) -> dict:
         y.backward(grad)
         return y, xg.grad
 
+    timer = Timer(device, iters=30, warmup=5)
     row = {"tokens": tokens}
     for name, fn in (("bf16", bf16), ("mxfp8 fwd", fwd), ("mxfp8 fwd+bwd", fwd_bwd)):
-        row[name] = timed(fn)
-        replay, _ = graphed(fn)
-        row[name + " graph"] = timed(replay)
+        row[name] = timer(lambda _, fn=fn: fn())
+        graph, _ = capture_graph(fn)
+        row[name + " graph"] = timer(lambda _, g=graph: g.replay())
     # bit for bit: replay on new input == eager on it
-    replay, out = graphed(fwd)
+    graph, out = capture_graph(fwd)
     x.copy_(torch.randn_like(x))
-    replay()
+    graph.replay()
     row["graph exact"] = bool(torch.equal(out, fwd()))
-    replay, (y, gx) = graphed(fwd_bwd)
+    graph, (y, gx) = capture_graph(fwd_bwd)
     xg.data.copy_(torch.randn_like(x))
-    replay()
+    graph.replay()
     y_e, gx_e = fwd_bwd()
     row["graph exact bwd"] = bool(torch.equal(y, y_e) and torch.equal(gx, gx_e))
     return row
