@@ -59,6 +59,10 @@ def main() -> None:
         help="rowwise tilings to try instead of the built-in list (repeatable)",
     )  # fmt: skip
     p.add_argument("--rounds", type=int, default=1, help="times through the list, interleaved")
+    p.add_argument(
+        "--draws", type=int, default=1,
+        help="offsets drawn per group count (draw 0: the benchmark's, seed 0; draw d: seed d)",
+    )  # fmt: skip
     args = p.parse_args()
     chosen = {"rowwise": tilings("rowwise"), "colwise": tilings("colwise")}
     if args.rowwise:
@@ -66,9 +70,12 @@ def main() -> None:
         for text in args.rowwise:
             tile, item, max_class, warps = (int(v) for v in text.split(","))
             chosen["rowwise"].append(_config.RowBlockTiling(tile, item, 32, max_class, warps))
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(N, M, dtype=torch.bfloat16).cuda()
-    offs = {n: (offsets(M, n, g), offsets(N, n, g)) for n in (1, 16, 64)}
+    x = torch.randn(N, M, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0)).cuda()
+    offs = {}
+    for d in range(args.draws):
+        g = torch.Generator().manual_seed(d)
+        for n in (1, 16, 64):
+            offs[n, d] = (offsets(M, n, g), offsets(N, n, g))
     rows = []
     for kind, fn in (
         ("rowwise", lambda o: per_group_rowwise_scales(x, o[0], method="direct", validate=False)),
@@ -78,12 +85,15 @@ def main() -> None:
             continue
         for tiling in chosen[kind] * args.rounds:
             setattr(_config, f"{kind.upper()}_TILING", tiling)
-            for n_groups, o in offs.items():
-                ms = triton.testing.do_bench(lambda o=o, fn=fn: fn(o), return_mode="median")
+            for (n_groups, draw), o in offs.items():
+                ms = triton.testing.do_bench(
+                    lambda o=o, fn=fn: fn(o), warmup=100, return_mode="median"
+                )
                 rows.append(
                     {
                         "fn": kind,
                         "groups": n_groups,
+                        "draw": draw,
                         "tiling": str(tuple(tiling)),
                         "us": ms * 1e3,
                         "GB/s": 3 * N * M / ms / 1e6,
@@ -94,9 +104,10 @@ def main() -> None:
     if args.rounds > 1:
         runs: dict[tuple, list[float]] = {}
         for r in rows:
-            runs.setdefault((r["fn"], r["tiling"], r["groups"]), []).append(r["us"])
+            runs.setdefault((r["fn"], r["tiling"], r["groups"], r["draw"]), []).append(r["us"])
         summary = [
-            {"fn": k[0], "tiling": k[1], "groups": k[2], "median us": statistics.median(v),
+            {"fn": k[0], "tiling": k[1], "groups": k[2], "draw": k[3],
+             "median us": statistics.median(v),
              "min us": min(v), "max us": max(v)}
             for k, v in runs.items()
         ]  # fmt: skip

@@ -86,6 +86,26 @@ def test_row_block_size():
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize(
+    "widths",
+    [
+        [1, 15, 16, 17, 31, 33, 0, 48, 100, 127, 128, 129, 130, 200, 511, 512, 513, 600, 5],
+        [16, 32, 48, 112, 128, 144, 0, 496, 512, 528, 1024, 16],
+    ],
+    ids=["uneven", "aligned"],
+)
+def test_rowwise_group_widths(device, widths):
+    """Groups of many widths on both sides of the largest size class (128 columns
+    interpreted, 512 on the GPU) and its smaller classes, over a row count that fills no
+    tile evenly."""
+    g = fresh_generator()
+    ends = torch.tensor(widths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    x = _data((37, int(ends[-1])), torch.bfloat16, device, g)
+    got = per_group_rowwise_scales(x, ends.to(device), backend="triton", method="direct")
+    _same(got, per_group_rowwise_reference(x, ends))
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_rowwise_64_bit_offsets(device, monkeypatch):
     """The 64-bit offset path (tensors past 2^31 elements) gives the same bits; forced here
     on a small tensor."""
