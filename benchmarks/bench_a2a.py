@@ -127,12 +127,15 @@ def bench_shape(tokens, dim, kind, timer, device, mode, chunk_settings, graphs=F
         res.update(time_directions(f"mxfp8 c={chunks or 'auto'}", mxfp8, x, grad, timer))
 
     if graphs:
-
-        def mxfp8_graph(x_):
-            return mx.to_mxfp8_a2a_dequant(x_, out_splits, in_splits, scaling_mode=mode)
-
         res |= time_graphed("bf16", bf16, x, grad, timer)
-        res |= time_graphed("mxfp8", mxfp8_graph, x, grad, timer)
+        for chunks in graph_chunks(chunk_settings):
+
+            def mxfp8_graph(x_, chunks=chunks):
+                return mx.to_mxfp8_a2a_dequant(
+                    x_, out_splits, in_splits, scaling_mode=mode, chunks=chunks
+                )
+
+            res |= time_graphed(f"mxfp8 c={chunks}", mxfp8_graph, x, grad, timer)
     packed = quantize_packed(x, scaling_mode=mode)
     recv = packed.new_empty((sum(out_splits), packed.shape[1]))
     res["quant"] = timer(lambda _: quantize_packed(x, scaling_mode=mode))
@@ -173,15 +176,24 @@ def table_rows(shape: str, kind: str, r: dict, world: int, chunk_settings) -> li
     return rows
 
 
-GRAPH_HEADERS = ["shape", "dir", "bf16", "bf16 graph", "mxfp8 graph", "vs bf16", "vs bf16 graph"]
+GRAPH_HEADERS = ["shape", "chunks", "dir", "bf16", "bf16 graph", "mxfp8 graph", "vs bf16"]
+GRAPH_HEADERS += ["vs bf16 graph"]
 
 
-def graph_rows(results: dict) -> list[list]:
+def graph_chunks(chunk_settings) -> list[int]:
+    """The chunk counts timed under graphs: the fixed ones ("auto" reads the sizes on the
+    host, which a capture cannot)."""
+    return [c for c in chunk_settings if c is not None] or [1]
+
+
+def graph_rows(results: dict, chunk_settings) -> list[list]:
     rows = []
     for shape, r in results.items():
-        for phase in ("fwd", "fwd+bwd"):
-            b, bg, mg = r[f"bf16 {phase}"], r[f"bf16 graph {phase}"], r[f"mxfp8 graph {phase}"]
-            rows.append([shape, phase, b, bg, mg, b / mg, bg / mg])
+        for chunks in graph_chunks(chunk_settings):
+            for phase in ("fwd", "fwd+bwd"):
+                b, bg = r[f"bf16 {phase}"], r[f"bf16 graph {phase}"]
+                mg = r[f"mxfp8 c={chunks} graph {phase}"]
+                rows.append([shape, chunks, phase, b, bg, mg, b / mg, bg / mg])
     return rows
 
 
@@ -219,7 +231,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--graphs",
         action="store_true",
-        help="also time bf16 and mxfp8 (one piece) captured in CUDA graphs (CUDA only)",
+        help="also time bf16 and mxfp8 (each fixed --chunks value) captured in CUDA graphs"
+        " (CUDA only)",
     )
     p.add_argument(
         "--beside",
@@ -284,7 +297,8 @@ def main(argv: list[str] | None = None) -> None:
         print("* mxfp8 GB/s count the logical bf16 bytes, so they compare directly with bf16's.")
         if args.graphs and cuda:
             print("\nCUDA graph replays (ms; speedup of mxfp8 graph over eager and graphed bf16):")
-            print(tabulate(graph_rows(results), headers=GRAPH_HEADERS, floatfmt=".3f"))
+            graphed = graph_rows(results, chunk_settings)
+            print(tabulate(graphed, headers=GRAPH_HEADERS, floatfmt=".3f"))
         write_json(args.json, {"info": info, "results": results})
         if args.plot:
             plot(results, info, args.plot)

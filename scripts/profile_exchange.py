@@ -2,6 +2,8 @@
 
     torchrun --nproc-per-node=2 scripts/profile_exchange.py --shape 131072x5120 --chunks 4 --out DIR
 
+With --graph the call is captured once in a CUDA graph and its replays are profiled.
+
 Runs warm-up calls, then profiles a few forward+backward calls with torch.profiler (CPU and
 CUDA activities), writes a Chrome trace per rank (DIR/trace_rank{r}.json; DIR must be one
 folder all ranks see), and on rank 0 prints the GPU timeline of the last call of every rank
@@ -19,7 +21,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 import mxfp8_a2a as mx
-from mxfp8_a2a._launch import init_from_torchrun
+from mxfp8_a2a._launch import capture_graph, init_from_torchrun
 
 
 def print_timeline(trace_paths: list[str], calls: int) -> None:
@@ -63,6 +65,10 @@ def main() -> None:
     p.add_argument(
         "--cold", action="store_true", help="forward only, each after a barrier and a sync"
     )
+    p.add_argument(
+        "--graph", action="store_true",
+        help="profile replays of the call captured in a CUDA graph (an integer --chunks)",
+    )  # fmt: skip
     args = p.parse_args()
     device = init_from_torchrun()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -74,10 +80,8 @@ def main() -> None:
     x = torch.randn(tokens, dim, device=device, dtype=torch.bfloat16)
     grad = torch.randn(sum(out_splits), dim, device=device, dtype=torch.bfloat16)
 
-    def call():
-        if args.cold:  # as the benchmark times a forward: barrier, sync, one call
-            dist.barrier()
-            torch.cuda.synchronize()
+    def body():
+        if args.cold:
             with torch.no_grad():
                 mx.to_mxfp8_a2a_dequant(x, out_splits, splits, chunks=chunks)
             return
@@ -85,6 +89,14 @@ def main() -> None:
             x.detach().requires_grad_(True), out_splits, splits, chunks=chunks
         )
         y.backward(grad)
+
+    run = capture_graph(body)[0].replay if args.graph else body
+
+    def call():
+        if args.cold:  # as the benchmark times a forward: barrier, sync, one call
+            dist.barrier()
+            torch.cuda.synchronize()
+        run()
 
     for _ in range(5):
         call()
