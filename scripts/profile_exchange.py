@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -22,6 +24,9 @@ from torch.profiler import ProfilerActivity, profile
 
 import mxfp8_a2a as mx
 from mxfp8_a2a._launch import capture_graph, init_from_torchrun
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from bench_a2a import _Bf16AllToAll  # noqa: E402
 
 
 def print_timeline(trace_paths: list[str], calls: int) -> None:
@@ -65,6 +70,7 @@ def main() -> None:
     p.add_argument(
         "--cold", action="store_true", help="forward only, each after a barrier and a sync"
     )
+    p.add_argument("--bf16", action="store_true", help="profile the bf16 baseline instead")
     p.add_argument(
         "--graph", action="store_true",
         help="profile replays of the call captured in a CUDA graph (an integer --chunks)",
@@ -80,15 +86,17 @@ def main() -> None:
     x = torch.randn(tokens, dim, device=device, dtype=torch.bfloat16)
     grad = torch.randn(sum(out_splits), dim, device=device, dtype=torch.bfloat16)
 
+    def exchange(x_):
+        if args.bf16:
+            return _Bf16AllToAll.apply(x_, out_splits, splits)
+        return mx.to_mxfp8_a2a_dequant(x_, out_splits, splits, chunks=chunks)
+
     def body():
         if args.cold:
             with torch.no_grad():
-                mx.to_mxfp8_a2a_dequant(x, out_splits, splits, chunks=chunks)
+                exchange(x)
             return
-        y = mx.to_mxfp8_a2a_dequant(
-            x.detach().requires_grad_(True), out_splits, splits, chunks=chunks
-        )
-        y.backward(grad)
+        exchange(x.detach().requires_grad_(True)).backward(grad)
 
     run = capture_graph(body)[0].replay if args.graph else body
 
