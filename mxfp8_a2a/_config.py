@@ -59,6 +59,11 @@ PIPELINE_MAX_CHUNKS = 8
 # at 16 groups but 150 at 64. A persistent row-block kernel with the colwise layout measured
 # 312/468/486 us at best against 348/363/347 for the group-item kernel, so colwise keeps the
 # latter.
+# Rowwise registers: capped at 64 per thread (72-80 by the compiler's choice): 8 programs of 4
+# warps per SM instead of 6-7, no spills; three interleaved rounds over three offset draws
+# (H200): 101.5-102.1 / 111.2-113.1 / 122.7-131.3 us at 1 / 16 / 64 groups, against
+# 111.0-114.4 / 134.1-138.2 / 135.5-142.5 uncapped; 56 measured within 4% of 64, 48 and 40
+# slower at 64 groups (150-201 us).
 
 
 class RowBlockTiling(NamedTuple):
@@ -67,6 +72,7 @@ class RowBlockTiling(NamedTuple):
     min_group: int
     max_class: int
     num_warps: int
+    maxnreg: int = 0  # registers per thread at most (ptxas .maxnreg); 0: the compiler's choice
 
     @property
     def n_classes(self) -> int:
@@ -83,7 +89,9 @@ class GroupItemTiling(NamedTuple):
     programs_per_sm: int
 
 
-ROWWISE_TILING = RowBlockTiling(tile=4096, item=8192, min_group=32, max_class=512, num_warps=4)
+ROWWISE_TILING = RowBlockTiling(
+    tile=4096, item=8192, min_group=32, max_class=512, num_warps=4, maxnreg=64
+)  # fmt: skip
 COLWISE_TILING = GroupItemTiling(
     tile=16384, min_group=16, n_classes=7, loop_other=16, loop_group=512, num_warps=4,
     programs_per_sm=4,

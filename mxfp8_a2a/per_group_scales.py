@@ -435,7 +435,7 @@ def _per_group_triton(
             x, offs, scales, data, n_other, x.shape[1], g, *strides,
             ROUND_POW2=pow2, SOFT=soft, INT64=int64, ALIGN=16 if x.stride(1) == 1 else 1,
             BLOCK=block, TILE=t.tile, MIN_GROUP=t.min_group, N_CLASSES=t.n_classes,
-            num_warps=t.num_warps,
+            num_warps=t.num_warps, **({"maxnreg": t.maxnreg} if t.maxnreg and not soft else {}),
         )  # fmt: skip
     else:
         c = _config.per_group_tiling(0, interpreted=soft)

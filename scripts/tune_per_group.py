@@ -55,7 +55,7 @@ def main() -> None:
     p.add_argument("--json")
     p.add_argument("--kind", choices=["rowwise", "colwise", "both"], default="both")
     p.add_argument(
-        "--rowwise", action="append", metavar="TILE,ITEM,MAX_CLASS,WARPS",
+        "--rowwise", action="append", metavar="TILE,ITEM,MAX_CLASS,WARPS[,MAXNREG]",
         help="rowwise tilings to try instead of the built-in list (repeatable)",
     )  # fmt: skip
     p.add_argument("--rounds", type=int, default=1, help="times through the list, interleaved")
@@ -68,8 +68,10 @@ def main() -> None:
     if args.rowwise:
         chosen["rowwise"] = []
         for text in args.rowwise:
-            tile, item, max_class, warps = (int(v) for v in text.split(","))
-            chosen["rowwise"].append(_config.RowBlockTiling(tile, item, 32, max_class, warps))
+            tile, item, max_class, warps, *maxnreg = (int(v) for v in text.split(","))
+            chosen["rowwise"].append(
+                _config.RowBlockTiling(tile, item, 32, max_class, warps, *maxnreg)
+            )
     x = torch.randn(N, M, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0)).cuda()
     offs = {}
     for d in range(args.draws):
