@@ -3,11 +3,13 @@ the PTX holds.
 
 Run as a script (the kernels must be decorated without TRITON_INTERPRET). Prints one JSON
 line per build: {"kernel", "cap", "variant", "ue8m0": bool, "e4m3_cvt": bool}, plus
-"v4_loads": bool (16-byte loads) for the per-group kernels.
+"v4_loads": bool (16-byte loads) and "maxnreg": int (the PTX register cap, 0 if none) for
+the per-group kernels.
 """
 
 import json
 import os
+import re
 
 os.environ.pop("TRITON_INTERPRET", None)
 
@@ -31,14 +33,14 @@ PER_GROUP_ARGS = ["x_ptr", "offs_ptr", "scale_ptr", "data_ptr", "n_other", "exte
 PER_GROUP_ARGS += ["n_groups", "sxo", "sxg", "sdo", "sdg"]
 
 
-def build(kernel, sig, constexprs, cap, aligned=(), num_warps=4):
-    """PTX of ``kernel``; ``aligned``: argument names Triton would see as multiples of 16."""
+def build(kernel, sig, constexprs, cap, aligned=(), num_warps=4, maxnreg=0):
+    """PTX of ``kernel``; ``aligned``: argument names Triton would see as multiples of 16;
+    ``maxnreg``: the register cap the launcher gives it (0: none)."""
     sig = {**sig, **dict.fromkeys(constexprs, "constexpr")}
     attrs = {(list(sig).index(a),): [["tt.divisibility", 16]] for a in aligned}
     src = ASTSource(kernel, sig, constexprs=constexprs, attrs=attrs)
-    return compile(src, target=GPUTarget("cuda", cap, 32), options={"num_warps": num_warps}).asm[
-        "ptx"
-    ]
+    options = {"num_warps": num_warps} | ({"maxnreg": maxnreg} if maxnreg else {})
+    return compile(src, target=GPUTarget("cuda", cap, 32), options=options).asm["ptx"]
 
 
 def per_group_sig(dtype):
@@ -57,7 +59,7 @@ def per_group_builds(cap):
         consts |= {"ALIGN": 16, "BLOCK": block, "TILE": tile.tile}
         consts |= {"MIN_GROUP": tile.min_group, "N_CLASSES": tile.n_classes}
         aligned = PER_GROUP_ARGS[:6] + ["sxo", "sdo"]
-        ptx = build(_row_block_kernel, sig, consts, cap, aligned, tile.num_warps)
+        ptx = build(_row_block_kernel, sig, consts, cap, aligned, tile.num_warps, tile.maxnreg)
         yield "per_group_rowwise", f"{dtype}-{'int64' if int64 else 'int32'}", ptx
     col = _config.COLWISE_TILING
     sig = per_group_sig("bf16")
@@ -142,6 +144,7 @@ for cap in (90, 100):
                     "ue8m0": False,
                     "e4m3_cvt": "e4m3x2" in ptx,
                     "v4_loads": "ld.global.v4.b32" in ptx,
+                    "maxnreg": int(m.group(1)) if (m := re.search(r"\.maxnreg (\d+)", ptx)) else 0,
                 }
             )
         )

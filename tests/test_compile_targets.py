@@ -31,6 +31,14 @@ def test_per_group_kernels_move_whole_vectors(builds):
     assert per_group and all(b["v4_loads"] for b in per_group), per_group
 
 
+def test_rowwise_register_cap(builds):
+    """The rowwise per-group builds carry the launcher's register cap (ROWWISE_TILING)."""
+    from mxfp8_a2a._config import ROWWISE_TILING
+
+    rowwise = [b for b in builds if b["kernel"] == "per_group_rowwise"]
+    assert rowwise and all(b["maxnreg"] == ROWWISE_TILING.maxnreg for b in rowwise), rowwise
+
+
 def test_e8m0_instruction_only_on_blackwell(builds):
     for b in builds:
         if b["kernel"] in ("quantize", "roundtrip"):
