@@ -11,7 +11,7 @@ import argparse
 import sys
 
 import torch
-from common import do_bench_ms, parse_shape, versions, write_json
+from common import do_bench_ms, parse_shape, versions, warm_gpu, write_json
 from tabulate import tabulate
 
 import mxfp8_a2a as mx
@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_cast.py needs a CUDA GPU")
+    warm_gpu()  # the first row is the copy ceiling: not on a cold GPU
     results = []
     for text in args.shape or DEFAULT_SHAPES:
         results += bench_shape(*parse_shape(text))

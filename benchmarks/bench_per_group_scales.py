@@ -16,7 +16,7 @@ import argparse
 import sys
 
 import torch
-from common import do_bench_ms, versions, write_json
+from common import do_bench_ms, versions, warm_gpu, write_json
 from tabulate import tabulate
 
 from mxfp8_a2a import _config, per_group_colwise_scales, per_group_rowwise_scales
@@ -62,10 +62,9 @@ def main() -> None:
     x = torch.randn(N, M, dtype=torch.bfloat16).cuda()
     elems = N * M
     # On a freshly started H200 the first rowwise timing measured 138 us at 1 group against
-    # 102 us in two later runs on the same machine (BENCHMARKS.md): two seconds of the
-    # kernel come first.
+    # 102 us in two later runs on the same machine (BENCHMARKS.md): the kernel runs first.
     whole = torch.tensor([M], dtype=torch.int32, device="cuda")
-    do_bench_ms(lambda: per_group_rowwise_scales(x, whole, **FAST), warmup_ms=2000, rep_ms=10)
+    warm_gpu(lambda: per_group_rowwise_scales(x, whole, **FAST))
     rows = []
     for n_groups in (1, 16, 64):
         # rowwise: groups along dim 1 (M)

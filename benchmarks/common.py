@@ -42,6 +42,17 @@ def do_bench_ms(fn: Callable[[], object], warmup_ms: int = 50, rep_ms: int = 300
     return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
 
 
+def warm_gpu(fn: Callable[[], object] | None = None, seconds: float = 2.0) -> None:
+    """Run ``fn`` (default: a 256 MiB device copy) for ``seconds`` before any timing. On a
+    freshly started H200 (SM clock at 345 MHz when idle) the first kernel timed after 250 ms
+    of warm-up still measured 35% slow (BENCHMARKS.md, per-group scaling, eighth session)."""
+    if fn is None:
+        src = torch.empty(128 << 20, dtype=torch.bfloat16, device="cuda")
+        dst = torch.empty_like(src)
+        fn = lambda: dst.copy_(src)  # noqa: E731
+    do_bench_ms(fn, warmup_ms=int(seconds * 1000), rep_ms=10)
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values)
 
