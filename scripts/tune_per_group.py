@@ -15,6 +15,8 @@ import argparse
 import itertools
 import json
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 import triton
@@ -22,12 +24,8 @@ from tabulate import tabulate
 
 from mxfp8_a2a import _config, per_group_colwise_scales, per_group_rowwise_scales
 
-N, M = 16640, 8192
-
-
-def offsets(total: int, n_groups: int, g: torch.Generator) -> torch.Tensor:
-    cuts = torch.randperm(total // 16 - 1, generator=g)[: n_groups - 1].add(1).mul(16).sort().values
-    return torch.cat([cuts, torch.tensor([total])]).to(torch.int32).cuda()
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from bench_per_group_scales import M, N, jagged_offsets  # noqa: E402
 
 
 def tilings(kind: str) -> list:
@@ -77,7 +75,7 @@ def main() -> None:
     for d in range(args.draws):
         g = torch.Generator().manual_seed(d)
         for n in (1, 16, 64):
-            offs[n, d] = (offsets(M, n, g), offsets(N, n, g))
+            offs[n, d] = (jagged_offsets(M, n, g), jagged_offsets(N, n, g))
     rows = []
     for kind, fn in (
         ("rowwise", lambda o: per_group_rowwise_scales(x, o[0], method="direct", validate=False)),
