@@ -244,8 +244,8 @@ def to_mxfp8_a2a_dequant(
     that dominates small exchanges. Capture with splits as lists of ints, an int ``chunks``
     and validate=False (anything that would synchronize raises a ValueError under capture).
     """
-    capturing = not torch.compiler.is_compiling() and isinstance(x, torch.Tensor) and x.is_cuda
-    if capturing and torch.cuda.is_current_stream_capturing():
+    eager_cuda = not torch.compiler.is_compiling() and isinstance(x, torch.Tensor) and x.is_cuda
+    if eager_cuda and torch.cuda.is_current_stream_capturing():
         # raised at once: the validation round would itself synchronize
         _check_capturable(output_splits, input_splits, chunks, validate)
     world = dist.get_world_size(group)
