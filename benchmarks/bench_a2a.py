@@ -106,6 +106,22 @@ def time_graphed(name, f, x, grad, timer) -> dict:
     return res
 
 
+def _how(setting: int | str | None) -> dict:
+    """to_mxfp8_a2a_dequant's arguments for a --chunks value: an int or None ("auto"), or
+    "ce:C" (transport="copy_engine", C row ranges)."""
+    if isinstance(setting, str):
+        return dict(transport="copy_engine", chunks=int(setting.split(":")[1]))
+    return dict(chunks=setting)
+
+
+def _setting(text: str) -> int | str | None:
+    if text == "auto":
+        return None
+    if text.startswith("ce:"):
+        return text
+    return int(text)
+
+
 def bench_shape(tokens, dim, kind, timer, device, mode, chunk_settings, graphs=False):
     world, rank = dist.get_world_size(), dist.get_rank()
     in_splits = make_splits(tokens, world, rank, kind)
@@ -118,11 +134,10 @@ def bench_shape(tokens, dim, kind, timer, device, mode, chunk_settings, graphs=F
 
     res = time_directions("bf16", bf16, x, grad, timer)
     for chunks in chunk_settings:
+        how = _how(chunks)
 
-        def mxfp8(x_, chunks=chunks):
-            return mx.to_mxfp8_a2a_dequant(
-                x_, out_splits, in_splits, scaling_mode=mode, chunks=chunks
-            )
+        def mxfp8(x_, how=how):
+            return mx.to_mxfp8_a2a_dequant(x_, out_splits, in_splits, scaling_mode=mode, **how)
 
         res.update(time_directions(f"mxfp8 c={chunks or 'auto'}", mxfp8, x, grad, timer))
 
@@ -183,7 +198,7 @@ GRAPH_HEADERS += ["vs bf16 graph"]
 def graph_chunks(chunk_settings) -> list[int]:
     """The chunk counts timed under graphs: the fixed ones ("auto" reads the sizes on the
     host, which a capture cannot)."""
-    return [c for c in chunk_settings if c is not None] or [1]
+    return [c for c in chunk_settings if isinstance(c, int)] or [1]
 
 
 def graph_rows(results: dict, chunk_settings) -> list[list]:
@@ -224,8 +239,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--chunks",
         action="append",
-        help="mxfp8 chunks per rank pair: an int (default 1: one all_to_all_single) or 'auto'"
-        " (pipelined); repeat to compare",
+        help="mxfp8 chunks per rank pair: an int (default 1: one all_to_all_single), 'auto'"
+        " (pipelined) or 'ce:C' (transport='copy_engine' in C row ranges, CUDA only); repeat"
+        " to compare",
     )
     p.add_argument("--scaling-mode", choices=["rceil", "floor"], default="rceil")
     p.add_argument(
@@ -257,7 +273,7 @@ def main(argv: list[str] | None = None) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     shapes = args.shape or (GPU_SHAPES if cuda else CPU_SHAPES)
     timer = Timer(device, args.iters, args.warmup)
-    chunk_settings = [None if c == "auto" else int(c) for c in (args.chunks or ["1"])]
+    chunk_settings = [_setting(c) for c in (args.chunks or ["1"])]
     info = versions() | {
         "world_size": world,
         "splits": args.splits,

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from ._common import check_float_input, check_scaling_mode
+from ._copy_exchange import copy_exchange
 from ._exchange import auto_chunks, exchange_columns
 from .dequantize import dequantize_packed
 from .quantize import quantize_packed
@@ -22,6 +23,7 @@ from .quantize import quantize_packed
 Splits = Sequence[int] | torch.Tensor
 
 VALIDATE_ENV = "MXFP8_A2A_VALIDATE"
+TRANSPORTS = ("nccl", "copy_engine")
 
 # torch >= 2.13 renames all_gather_into_tensor to all_gather_single
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -51,9 +53,17 @@ def _validating(validate: bool) -> bool:
     return validate or os.environ.get(VALIDATE_ENV, "0") == "1"
 
 
-def _check_capturable(output_splits, input_splits, chunks, validate) -> None:
+def _check_capturable(
+    output_splits, input_splits, chunks, validate, transport: str = "nccl"
+) -> None:
     """Under CUDA graph capture nothing may wait for the GPU: no piece count agreed at run
-    time, no validation round, no splits read back from the GPU."""
+    time, no validation round, no splits read back from the GPU, no copy-engine transport
+    (it reads the gathered splits on the host)."""
+    if transport != "nccl":
+        raise ValueError(
+            f"transport={transport!r} reads the ranks' splits on the host at every call and "
+            "cannot be captured in a CUDA graph; capture with transport='nccl'"
+        )
     for name, value in (("output_splits", output_splits), ("input_splits", input_splits)):
         if isinstance(value, torch.Tensor) and value.device.type != "cpu":
             raise ValueError(
@@ -159,11 +169,15 @@ def _exchange(
     group: dist.ProcessGroup | None,
     scaling_mode: str,
     chunks: int,
+    transport: str = "nccl",
 ) -> torch.Tensor:
-    """Eager: exchange_columns (one collective per column piece). Under torch.compile:
+    """Eager: exchange_columns (one collective per column piece) or copy_exchange (copy
+    engines write into the receivers' symmetric-memory buffers). Under torch.compile:
     quantize_packed -> one functional all_to_all_single of uint8 rows -> dequantize_packed
     (the kept rows go through the wire too, one piece; same results)."""
     if not torch.compiler.is_compiling():
+        if transport == "copy_engine":
+            return copy_exchange(x, output_splits, input_splits, group, scaling_mode, chunks)
         return exchange_columns(x, output_splits, input_splits, group, scaling_mode, chunks)
     packed = quantize_packed(x, scaling_mode=scaling_mode)
     recv = funcol.all_to_all_single(packed, output_splits, input_splits, group or dist.group.WORLD)
@@ -185,17 +199,19 @@ def agreed_chunks(
 
 class _MXFP8AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, output_splits, input_splits, group, scaling_mode, chunks):
+    def forward(ctx, x, output_splits, input_splits, group, scaling_mode, chunks, transport):
         ctx.output_splits, ctx.input_splits = output_splits, input_splits
         ctx.group, ctx.scaling_mode, ctx.chunks = group, scaling_mode, chunks
-        return _exchange(x, output_splits, input_splits, group, scaling_mode, chunks)
+        ctx.transport = transport
+        return _exchange(x, output_splits, input_splits, group, scaling_mode, chunks, transport)
 
     @staticmethod
     def backward(ctx, grad):
         grad_x = _exchange(
-            grad, ctx.input_splits, ctx.output_splits, ctx.group, ctx.scaling_mode, ctx.chunks
-        )
-        return grad_x, None, None, None, None, None
+            grad, ctx.input_splits, ctx.output_splits, ctx.group, ctx.scaling_mode, ctx.chunks,
+            ctx.transport,
+        )  # fmt: skip
+        return grad_x, None, None, None, None, None, None
 
 
 def to_mxfp8_a2a_dequant(
@@ -207,6 +223,7 @@ def to_mxfp8_a2a_dequant(
     scaling_mode: str = "rceil",
     chunks: int | None = 1,
     validate: bool = False,
+    transport: str = "nccl",
 ) -> torch.Tensor:
     """All-to-all of ``x``'s rows sent as MXFP8 and dequantized on arrival; differentiable.
 
@@ -232,6 +249,13 @@ def to_mxfp8_a2a_dequant(
         validate: check, with one all_gather of 2 * group-size + 1 int64 values and a host
             sync, that the splits agree across ranks; every rank then raises the same error
             instead of hanging. Also on when the environment variable MXFP8_A2A_VALIDATE=1.
+        transport: "nccl" (default): all_to_all_single. "copy_engine": the GPUs' copy
+            engines write the packed rows into the receivers' buffers (symmetric memory:
+            CUDA GPUs of one host with peer access, e.g. on NVLink), leaving the SMs to the
+            casts; each call gathers every rank's splits (one small all_gather and a host
+            wait, beside the quantize), which also checks that they agree. ``chunks`` = c
+            then cuts every (sender, receiver) pair's rows into c row ranges, pipelined
+            (None: 1). Same results bit for bit; not for CUDA graph capture.
     Returns:
         [sum(output_splits), K] in x's dtype, rows in source-rank order. Each row equals
         dequantize(quantize(row sent)) bit for bit; a block holding NaN arrives as NaN, a
@@ -247,7 +271,7 @@ def to_mxfp8_a2a_dequant(
     eager_cuda = not torch.compiler.is_compiling() and isinstance(x, torch.Tensor) and x.is_cuda
     if eager_cuda and torch.cuda.is_current_stream_capturing():
         # raised at once: the validation round would itself synchronize
-        _check_capturable(output_splits, input_splits, chunks, validate)
+        _check_capturable(output_splits, input_splits, chunks, validate, transport)
     world = dist.get_world_size(group)
     out_splits: list[int] = []
     in_splits: list[int] = []
@@ -259,6 +283,13 @@ def to_mxfp8_a2a_dequant(
             raise ValueError(f"x must be 2-D [tokens, K], got shape {tuple(x.shape)}; flatten it")
         if chunks is not None and (not isinstance(chunks, int) or chunks < 1):
             raise ValueError(f"chunks must be None or a positive int, got {chunks!r}")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        if transport == "copy_engine" and x.device.type != "cuda":
+            raise ValueError(
+                "transport='copy_engine' needs CUDA tensors (GPUs with peer access); got x on "
+                f"{x.device}: use transport='nccl' (the default)"
+            )
         if x.device.type not in ("cpu", "cuda"):
             raise ValueError(f"x must be a CPU (gloo) or CUDA (NCCL) tensor, got {x.device}")
         out_splits = _splits_list(output_splits, "output_splits", x.device)
@@ -270,7 +301,9 @@ def to_mxfp8_a2a_dequant(
         _check_all_ranks(error, out_splits, in_splits, group)
     elif error is not None:
         raise error
+    if chunks is None and transport == "copy_engine":
+        chunks = 1
     if chunks is None:
         rows = max(sum(out_splits), sum(in_splits))
         chunks = 1 if torch.compiler.is_compiling() else agreed_chunks(rows, x.shape[1], group)
-    return _MXFP8AllToAll.apply(x, out_splits, in_splits, group, scaling_mode, chunks)
+    return _MXFP8AllToAll.apply(x, out_splits, in_splits, group, scaling_mode, chunks, transport)

@@ -30,15 +30,16 @@ from bench_a2a import _Bf16AllToAll  # noqa: E402
 
 
 def print_timeline(trace_paths: list[str], calls: int) -> None:
-    """GPU kernels of the last profiled call on every rank, on one clock (the traces of one
-    host share it): start and end in us from the earliest first kernel of that call, rank,
-    stream, name. Shows whether a collective waits for a peer that started it later."""
+    """GPU kernels and copies of the last profiled call on every rank, on one clock (the
+    traces of one host share it): start and end in us from the earliest first kernel of that
+    call, rank, stream, name. Shows whether a collective waits for a peer that started it later."""
     rows, firsts = [], []
     for rank, path in enumerate(trace_paths):
         with open(path) as f:
             events = json.load(f)["traceEvents"]
         kernels = sorted(
-            (e for e in events if e.get("cat") == "kernel"), key=lambda e: float(e["ts"])
+            (e for e in events if e.get("cat") in ("kernel", "gpu_memcpy")),
+            key=lambda e: float(e["ts"]),
         )
         per_call = len(kernels) // max(1, calls)
         if per_call == 0:
@@ -64,7 +65,10 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--shape", default="8192x5120", help="TOKENSxDIM per rank")
-    p.add_argument("--chunks", default="1", help="an int, or 'auto'")
+    p.add_argument(
+        "--chunks", default="1",
+        help="an int, 'auto', or 'ce:C' (transport='copy_engine', C row ranges)",
+    )  # fmt: skip
     p.add_argument("--calls", type=int, default=5)
     p.add_argument("--out", default="profile_out")
     p.add_argument(
@@ -79,7 +83,11 @@ def main() -> None:
     device = init_from_torchrun()
     rank, world = dist.get_rank(), dist.get_world_size()
     tokens, dim = (int(v) for v in args.shape.lower().split("x"))
-    chunks = None if args.chunks == "auto" else int(args.chunks)
+    how = (
+        dict(chunks=None) if args.chunks == "auto"
+        else dict(transport="copy_engine", chunks=int(args.chunks[3:]))
+        if args.chunks.startswith("ce:") else dict(chunks=int(args.chunks))
+    )  # fmt: skip
     splits = [tokens // world] * world
     splits[rank] += tokens - sum(splits)
     out_splits = mx.compute_output_splits(splits)
@@ -89,7 +97,7 @@ def main() -> None:
     def exchange(x_):
         if args.bf16:
             return _Bf16AllToAll.apply(x_, out_splits, splits)
-        return mx.to_mxfp8_a2a_dequant(x_, out_splits, splits, chunks=chunks)
+        return mx.to_mxfp8_a2a_dequant(x_, out_splits, splits, **how)
 
     def body():
         if args.cold:

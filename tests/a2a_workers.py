@@ -73,6 +73,16 @@ def _piece_bytes(n: int | None):
         _config.PIPELINE_CHUNK_BYTES = before
 
 
+def _how(chunks) -> dict:
+    """Keyword arguments of a case: an int / None (chunks), "tiny pieces" (automatic pieces at
+    200 bytes each) or "copy c" (the copy-engine transport, c row ranges)."""
+    if chunks == "tiny pieces":
+        return dict(chunks=None)
+    if isinstance(chunks, str):
+        return dict(chunks=int(chunks.split()[1]), transport="copy_engine")
+    return dict(chunks=chunks)
+
+
 def exact_forward_backward(rank, world, backend, seed, k, dtype, mode):
     dev = device_for(backend)
     s = split_matrix(world, seed)
@@ -90,8 +100,10 @@ def exact_forward_backward(rank, world, backend, seed, k, dtype, mode):
     want_out = expected_rows(rank, s, make_x, mode)
     want_grad = expected_rows(rank, t, make_w, mode)
     # one collective; automatic pieces (at the library's piece size: 1 here; at 200 bytes:
-    # counts that differ between ranks until they agree); 3 pieces; more than K/32 asked
-    for chunks in (1, None, "tiny pieces", 3, 50):
+    # counts that differ between ranks until they agree); 3 pieces; more than K/32 asked; on
+    # CUDA the copy-engine transport, whole and in 3 row ranges (some ranges empty)
+    copies = ["copy 1", "copy 3"] if dev.type == "cuda" else []
+    for chunks in (1, None, "tiny pieces", 3, 50, *copies):
         x = make_x(rank).requires_grad_(True)
         x_before = x.detach().clone()
         with _piece_bytes(200 if chunks == "tiny pieces" else None):
@@ -100,8 +112,8 @@ def exact_forward_backward(rank, world, backend, seed, k, dtype, mode):
                 torch.tensor(out_splits),
                 in_splits,
                 scaling_mode=mode,
-                chunks=None if chunks == "tiny pieces" else chunks,
                 validate=True,
+                **_how(chunks),
             )
         assert out.dtype == dtype and out.shape == (sum(out_splits), k)
         assert torch.equal(out.detach().cpu(), want_out), chunks
@@ -134,9 +146,9 @@ def exact_large(rank, world, backend, seed):
     t = [[s[d][r] for d in range(world)] for r in range(world)]
     want_grad = expected_rows(rank, t, make_g)
     grad = make_g(rank)
-    for chunks in (1, None, 3, 7):
+    for chunks in (1, None, 3, 7, *(["copy 1", "copy 4"] if dev.type == "cuda" else [])):
         x = make_x(rank).requires_grad_(True)
-        out = mx.to_mxfp8_a2a_dequant(x, out_splits, in_splits, chunks=chunks)
+        out = mx.to_mxfp8_a2a_dequant(x, out_splits, in_splits, **_how(chunks))
         assert torch.equal(out.detach().cpu(), want_out), chunks
         out.backward(grad)
         assert torch.equal(x.grad.cpu(), want_grad), chunks
@@ -160,8 +172,9 @@ def routing(rank, world, backend, seed):
         return torch.stack(rows) if rows else torch.zeros(0, k)
 
     x = encode(rank).to(torch.bfloat16).to(dev)
-    for chunks in (1, 4):
-        out = mx.to_mxfp8_a2a_dequant(x, [s[i][rank] for i in range(world)], s[rank], chunks=chunks)
+    for chunks in (1, 4, *(["copy 1", "copy 2"] if dev.type == "cuda" else [])):
+        out_splits = [s[i][rank] for i in range(world)]
+        out = mx.to_mxfp8_a2a_dequant(x, out_splits, s[rank], **_how(chunks))
         check_routing(out.float().cpu(), s, rank, world)
 
 
@@ -194,19 +207,19 @@ def sqnr_vs_bf16(rank, world, backend, seed):
 
 
 def edge_cases(rank, world, backend):
-    for chunks in (1, None, 2):
-        _edge_cases(rank, world, backend, chunks)
+    for chunks in (1, None, 2, *(["copy 1", "copy 2"] if backend == "nccl" else [])):
+        _edge_cases(rank, world, backend, _how(chunks))
     # the automatic piece count follows the busiest rank, whatever this rank exchanges
     rows = [0, 3_000_000, 3_000, 400_000][rank % 4]
     busiest = max([0, 3_000_000, 3_000, 400_000][r % 4] for r in range(world))
     assert mx.agreed_chunks(rows, 5120) == mx.auto_chunks(busiest, 5120) > 1
 
 
-def _edge_cases(rank, world, backend, chunks):
+def _edge_cases(rank, world, backend, how):
     dev = device_for(backend)
     # no rows anywhere
     x = torch.zeros(0, 32, device=dev, requires_grad=True)
-    out = mx.to_mxfp8_a2a_dequant(x, [0] * world, [0] * world, chunks=chunks)
+    out = mx.to_mxfp8_a2a_dequant(x, [0] * world, [0] * world, **how)
     assert out.shape == (0, 32)
     out.sum().backward()
     assert x.grad.shape == (0, 32)
@@ -218,13 +231,13 @@ def _edge_cases(rank, world, backend, chunks):
         in_splits[world - 1] = 1
     if rank == world - 1:
         out_splits[0] = 1
-    out = mx.to_mxfp8_a2a_dequant(x, out_splits, in_splits, chunks=chunks)
+    out = mx.to_mxfp8_a2a_dequant(x, out_splits, in_splits, **how)
     assert out.shape[0] == (1 if rank == world - 1 else 0)
     # NaN and inf survive in their block
     x = torch.ones(world, 64, device=dev)
     x[:, 1] = float("nan")
     x[:, 40] = float("inf")
-    out = mx.to_mxfp8_a2a_dequant(x, [1] * world, [1] * world, chunks=chunks)
+    out = mx.to_mxfp8_a2a_dequant(x, [1] * world, [1] * world, **how)
     assert out[:, :32].isnan().all() and out[:, 40].isinf().all()
 
 
@@ -248,11 +261,15 @@ def bad_input(rank, world, backend):
         (lambda: mx.to_mxfp8_a2a_dequant(x, ones, ones, scaling_mode="up"), "scaling_mode"),
         (lambda: mx.to_mxfp8_a2a_dequant(x, [1.5] * world, ones), "integers"),
         (lambda: mx.to_mxfp8_a2a_dequant(x, ones, ones, chunks=0), "chunks"),
+        (lambda: mx.to_mxfp8_a2a_dequant(x, ones, ones, transport="ib"), "transport must be"),
         (
             lambda: mx.to_mxfp8_a2a_dequant(x, [0 if r == rank else 1 for r in range(world)], ones),
             "to itself",
         ),
     ]
+    if dev.type == "cpu":
+        call = lambda: mx.to_mxfp8_a2a_dequant(x, ones, ones, transport="copy_engine")  # noqa: E731
+        cases.append((call, "needs CUDA tensors"))
     if dev.type == "cuda":
         cases.append(
             (
@@ -276,6 +293,11 @@ def bad_input(rank, world, backend):
     y = torch.randn(sum(in_splits), 64, device=dev)
     with pytest.raises(ValueError, match="splits disagree: rank 0 sends 2 rows to rank 1"):
         mx.to_mxfp8_a2a_dequant(y, out_splits, in_splits, validate=True)
+    if dev.type == "cuda":  # the copy-engine transport checks the splits it gathers anyway
+        with pytest.raises(ValueError, match="splits disagree: rank 0 sends 2 rows to rank 1"):
+            mx.to_mxfp8_a2a_dequant(y, out_splits, in_splits, transport="copy_engine")
+        with pytest.raises(ValueError, match="chunks differ between ranks"):
+            mx.to_mxfp8_a2a_dequant(x, ones, ones, transport="copy_engine", chunks=1 + rank)
     # a bad argument on one rank only: with validate every rank raises
     z = torch.randn(world, 64 if rank else 48, device=dev)
     with pytest.raises(ValueError, match="K=48" if rank == 0 else "bad arguments on rank"):
