@@ -1,28 +1,32 @@
 """The copy-engine exchange: packed rows written into the receivers' buffers by DMA copies.
 
-Each rank of the group holds one symmetric-memory allocation (torch.distributed.
+Each rank of the group holds two symmetric-memory allocations (torch.distributed.
 _symmetric_memory: CUDA GPUs with peer access, e.g. on NVLink), mapped into every other
-rank's address space. A call:
+rank's address space: a small one for the splits table and one for the rows it receives.
+A call, on the caller's stream ("main"), a copy stream and a fence stream:
 
-1. all_gathers every rank's input and output splits on a side stream while the outgoing rows
-   are quantized (the host waits only for that small collective). From the table every rank
-   knows where its rows land in each receiver's buffer (after the rows of lower ranks) and
-   checks that every receiver expects what its senders send (every rank checks the same
-   table, so all raise alike); the buffers grow collectively when a call needs more;
-2. quantizes the outgoing rows into a local staging tensor (packed rows, all SMs) and, beside
-   the copies, the kept rows' round trip straight into the output;
-3. copies each receiver's rows into its buffer with ``Tensor.copy_`` (cudaMemcpyAsync: the
-   GPU's copy engines move the bytes over NVLink and leave the SMs to the casts), then a
-   barrier (symmetric-memory signal pads) on the copy stream: every rank's rows have arrived;
-4. dequantizes the received rows into the output around the kept rows.
+1. main: quantize the outgoing rows into a local staging tensor (packed rows, all SMs), then
+   the kept rows' round trip straight into the output;
+2. copy stream, beside the casts: every rank writes its splits into its table slot, a
+   barrier, every rank reads all slots (the host waits for that only). From the table every
+   rank knows where its rows land in each receiver's buffer (after the rows of lower ranks)
+   and checks that every receiver expects what its senders send (every rank checks the same
+   table, so all raise alike); the row buffers grow collectively when a call needs more;
+3. copy stream: each receiver's rows go into its buffer with ``Tensor.copy_``
+   (cudaMemcpyAsync: the copy engines move the bytes over NVLink and leave the SMs to the
+   casts); fence stream: a barrier after them (every rank's rows have arrived);
+4. main: dequantize the received rows into the output around the kept rows.
 
 With ``chunks`` = c > 1 the rows of every (sender, receiver) pair are cut into c row ranges;
-range i is quantized, copied, fenced by its own barrier and dequantized, so that the copies of
-range i run while range i + 1 is quantized and range i - 1 dequantized.
+range i is quantized, copied, fenced by its own barrier and dequantized, so that the copy of
+range i runs while range i + 1 is quantized and range i - 1 dequantized.
 
-The allocation has two halves used in turn: a rank writes half h of call n + 2 only after
-the last barrier of call n + 1, which every rank reaches after dequantizing call n. Every rank
-must make the same sequence of exchange calls (as for any collective).
+Reuse: the copy stream starts a call only after everything the caller's stream had queued
+before it (the previous call's dequantize included), so a rank's table barrier of call n + 1
+passes only when every rank has finished reading its buffer in call n, and one row buffer
+suffices; table slots alternate between two halves (a slot is rewritten two calls later,
+after a table barrier that every reader of it has passed). Every rank must make the same
+sequence of exchange calls (as for any collective).
 """
 
 from __future__ import annotations
@@ -33,9 +37,6 @@ import torch
 import torch.distributed as dist
 
 from ._exchange import _dequantize_into, _quantize_into, _roundtrip_into, _wire_row
-
-# torch >= 2.13 renames all_gather_into_tensor to all_gather_single
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _symm_mem():
@@ -49,21 +50,22 @@ def _symm_mem():
     return symm_mem
 
 
-class _Buffers:
-    """One symmetric allocation of two halves for (group, device), grown on demand."""
+class _Region:
+    """One symmetric allocation of ``parts`` equal parts for (group, device), grown on
+    demand."""
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device):
-        self.group, self.device = group, device
-        self.half_bytes, self.buf, self.handle, self.calls = 0, None, None, 0
-        self.views: dict[tuple[int, int, int], torch.Tensor] = {}
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, parts: int):
+        self.group, self.device, self.parts = group, device, parts
+        self.part_bytes, self.buf, self.handle = 0, None, None
+        self.views: dict[tuple, torch.Tensor] = {}
 
     def reserve(self, nbytes: int) -> None:
-        """Halves of at least nbytes. Collective when it grows: every rank must ask for the
+        """Parts of at least nbytes. Collective when it grows: every rank must ask for the
         same nbytes (the gathered splits table guarantees it)."""
-        if nbytes <= self.half_bytes:
+        if nbytes <= self.part_bytes:
             return
         symm_mem = _symm_mem()
-        half = max(1 << 20, 1 << (nbytes - 1).bit_length())  # powers of two: few regrowths
+        part = max(1 << 20, 1 << (nbytes - 1).bit_length())  # powers of two: few regrowths
         torch.cuda.synchronize(self.device)  # no copy of this rank still targets the old one
         name = self.group.group_name
         if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed by older torch
@@ -71,7 +73,7 @@ class _Buffers:
                 warnings.simplefilter("ignore", FutureWarning)
                 symm_mem.enable_symm_mem_for_group(name)
         try:
-            self.buf = symm_mem.empty(2 * half, dtype=torch.uint8, device=self.device)
+            self.buf = symm_mem.empty(self.parts * part, dtype=torch.uint8, device=self.device)
             self.handle = symm_mem.rendezvous(self.buf, name)
         except RuntimeError as e:
             raise RuntimeError(
@@ -79,40 +81,50 @@ class _Buffers:
                 "(symmetric memory needs the group's GPUs on one host with peer access); use "
                 f"transport='nccl'. The error was: {e}"
             ) from e
-        self.half_bytes, self.views = half, {}
+        self.part_bytes, self.views = part, {}
 
-    def peer(self, rank: int, half: int, row: int) -> torch.Tensor:
-        """Half ``half`` of ``rank``'s buffer as uint8 [rows, row] (mapped peer memory)."""
-        key = (rank, half, row)
+    def view(self, rank: int, part: int, shape: tuple[int, ...], dtype) -> torch.Tensor:
+        """The start of part ``part`` of ``rank``'s allocation as a tensor (mapped peer
+        memory for another rank)."""
+        key = (rank, part, shape, dtype)
         if key not in self.views:
-            rows = self.half_bytes // row
-            self.views[key] = self.handle.get_buffer(
-                rank, (rows, row), torch.uint8, half * self.half_bytes
-            )
+            offset = part * self.part_bytes // dtype.itemsize
+            self.views[key] = self.handle.get_buffer(rank, shape, dtype, offset)
         return self.views[key]
 
-    def next_half(self) -> int:
-        self.calls += 1
-        return self.calls % 2
+
+class _State:
+    """Per (group, device): the table and row regions, the side streams, a call counter."""
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device):
+        self.table, self.rows = _Region(group, device, 2), _Region(group, device, 1)
+        # high priority, so that the barriers and the table's small kernels find an SM among
+        # the casts' programs
+        self.copy = torch.cuda.Stream(device, priority=-1)
+        self.fence = torch.cuda.Stream(device, priority=-1)
+        self.calls = 0
 
 
-_BUFFERS: dict[tuple[str, int], _Buffers] = {}
-_STREAMS: dict[int, torch.cuda.Stream] = {}
+_STATES: dict[tuple[str, int], _State] = {}
 
 
-def _buffers(group: dist.ProcessGroup, device: torch.device) -> _Buffers:
+def _state(group: dist.ProcessGroup, device: torch.device) -> _State:
     key = (group.group_name, device.index)
-    if key not in _BUFFERS:
-        _BUFFERS[key] = _Buffers(group, device)
-    return _BUFFERS[key]
+    if key not in _STATES:
+        _STATES[key] = _State(group, device)
+    return _STATES[key]
 
 
-def _copy_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream of the splits table, the copies and the barriers (high priority, so that
-    the barrier kernels find an SM among the casts' programs)."""
-    if device.index not in _STREAMS:
-        _STREAMS[device.index] = torch.cuda.Stream(device, priority=-1)
-    return _STREAMS[device.index]
+def _gather_table(st: _State, payload: list[int], rank: int, world: int) -> list[list[int]]:
+    """Every rank's payload, through the table region (on the current stream; the host waits
+    for this stream only)."""
+    st.table.reserve(8 * len(payload) * world)
+    half = st.calls % 2
+    mine = st.table.view(rank, half, (len(payload),), torch.int64)
+    mine.copy_(torch.tensor(payload, dtype=torch.int64))
+    st.table.handle.barrier(channel=0)
+    slots = [st.table.view(q, half, (len(payload),), torch.int64) for q in range(world)]
+    return torch.stack(slots).tolist()
 
 
 def layout(table: list[list[int]], rank: int) -> tuple[list[int], int]:
@@ -155,12 +167,10 @@ def copy_exchange(
     gives them. ``chunks``: row ranges per (sender, receiver) pair, pipelined."""
     pg = group if group is not None else dist.group.WORLD
     rank, world, k, dev = dist.get_rank(pg), dist.get_world_size(pg), x.shape[1], x.device
-    main, side = torch.cuda.current_stream(dev), _copy_stream(dev)
-    with torch.cuda.stream(side):  # the splits table, beside the quantize
-        payload = [*input_splits, *output_splits, chunks]
-        mine = torch.tensor(payload, dtype=torch.int64, device=dev)
-        gathered = torch.empty(world * len(payload), dtype=torch.int64, device=dev)
-        _all_gather(gathered, mine, group=pg)
+    st = _state(pg, dev)
+    st.calls += 1
+    main = torch.cuda.current_stream(dev)
+    st.copy.wait_stream(main)  # what the caller queued before this call (see the module doc)
     row = _wire_row(k)
     x_at, o_at, n = sum(input_splits[:rank]), sum(output_splits[:rank]), input_splits[rank]
     out = x.new_empty((sum(output_splits), k))
@@ -180,8 +190,8 @@ def copy_exchange(
         quantized[-1].record(main)
     if n:
         _roundtrip_into(x[x_at : x_at + n], out[o_at : o_at + n], mode)
-    with torch.cuda.stream(side):
-        table = gathered.view(world, -1).tolist()  # waits for the all_gather only
+    with torch.cuda.stream(st.copy):  # beside the casts
+        table = _gather_table(st, [*input_splits, *output_splits, chunks], rank, world)
     if any(t[-1] != chunks for t in table):
         raise ValueError(
             f"chunks differ between ranks: {[t[-1] for t in table]}; every rank must pass the "
@@ -190,31 +200,35 @@ def copy_exchange(
     first, most = layout([t[:-1] for t in table], rank)
     if most == 0:  # no rank sends another a row (every rank sees the same table)
         return out
-    bufs = _buffers(pg, dev)
-    bufs.reserve(most * row)
-    half = bufs.next_half()
-    mine_buf = bufs.peer(rank, half, row)
+    st.rows.reserve(most * row)
+    mine = st.rows.view(rank, 0, (st.rows.part_bytes // row, row), torch.uint8)
+    dests = [st.rows.view(d, 0, mine.shape, torch.uint8) for d in range(world)]
     # where each source's rows start in this rank's buffer
     r_first = [sum(output_splits[q] for q in range(src) if q != rank) for src in range(world)]
     arrived = []
     for i in range(chunks):
-        side.wait_event(quantized[i])
-        with torch.cuda.stream(side):
+        st.copy.wait_event(quantized[i])
+        with torch.cuda.stream(st.copy):
             for d in range(world):
                 a, b = row_ranges(input_splits[d], chunks)[i]
                 if d != rank and b > a:
-                    dst = bufs.peer(d, half, row)[first[d] + a : first[d] + b]
-                    dst.copy_(staging[s_starts[d] + a : s_starts[d] + b])
-            bufs.handle.barrier(channel=0)  # range i of every pair has arrived
+                    dests[d][first[d] + a : first[d] + b].copy_(
+                        staging[s_starts[d] + a : s_starts[d] + b]
+                    )
+        copied = torch.cuda.Event()
+        copied.record(st.copy)
+        st.fence.wait_event(copied)
+        with torch.cuda.stream(st.fence):
+            st.rows.handle.barrier(channel=0)  # range i of every pair has arrived
         arrived.append(torch.cuda.Event())
-        arrived[-1].record(side)
-    staging.record_stream(side)
+        arrived[-1].record(st.fence)
+    staging.record_stream(st.copy)
     for i in range(chunks):
         main.wait_event(arrived[i])
         for src in range(world):
             a, b = row_ranges(output_splits[src], chunks)[i]
             if src != rank and b > a:
                 at = sum(output_splits[:src])
-                got = mine_buf[r_first[src] + a : r_first[src] + b]
+                got = mine[r_first[src] + a : r_first[src] + b]
                 _dequantize_into(got, out[at + a : at + b])
     return out
