@@ -7,11 +7,14 @@ A call, on the caller's stream ("main"), a copy stream and a fence stream:
 
 1. main: quantize the outgoing rows into a local staging tensor (packed rows, all SMs), then
    the kept rows' round trip straight into the output;
-2. copy stream, beside the casts: every rank writes its splits into its table slot, a
-   barrier, every rank reads all slots (the host waits for that only). From the table every
-   rank knows where its rows land in each receiver's buffer (after the rows of lower ranks)
-   and checks that every receiver expects what its senders send (every rank checks the same
-   table, so all raise alike); the row buffers grow collectively when a call needs more;
+2. copy stream, beside the casts, with more than two ranks: every rank writes its splits
+   into its table slot, a barrier, every rank reads all slots (the host waits for that only).
+   From the table every rank knows where its rows land in each receiver's buffer (after the
+   rows of lower ranks) and checks that every receiver expects what its senders send (every
+   rank checks the same table, so all raise alike); the row buffers grow collectively when a
+   call needs more. With two ranks each knows both counts of its one pair, so nothing is
+   gathered and the host never waits: a barrier only tells that the peer has finished
+   reading its buffer (the splits are then checked only with ``validate``);
 3. copy stream: each receiver's rows go into its buffer with ``Tensor.copy_``
    (cudaMemcpyAsync: the copy engines move the bytes over NVLink and leave the SMs to the
    casts); fence stream: a barrier after them (every rank's rows have arrived);
@@ -22,8 +25,9 @@ range i is quantized, copied, fenced by its own barrier and dequantized, so that
 range i runs while range i + 1 is quantized and range i - 1 dequantized.
 
 Reuse: the copy stream starts a call only after everything the caller's stream had queued
-before it (the previous call's dequantize included), so a rank's table barrier of call n + 1
-passes only when every rank has finished reading its buffer in call n, and one row buffer
+before it (the previous call's dequantize included), so a rank's table (or, with two ranks,
+first) barrier of call n + 1 passes only when every rank has finished reading its buffer in
+call n, and one row buffer
 suffices; table slots alternate between two halves (a slot is rewritten two calls later,
 after a table barrier that every reader of it has passed). Every rank must make the same
 sequence of exchange calls (as for any collective).
@@ -190,17 +194,28 @@ def copy_exchange(
         quantized[-1].record(main)
     if n:
         _roundtrip_into(x[x_at : x_at + n], out[o_at : o_at + n], mode)
-    with torch.cuda.stream(st.copy):  # beside the casts
-        table = _gather_table(st, [*input_splits, *output_splits, chunks], rank, world)
-    if any(t[-1] != chunks for t in table):
-        raise ValueError(
-            f"chunks differ between ranks: {[t[-1] for t in table]}; every rank must pass the "
-            "same chunks"
-        )
-    first, most = layout([t[:-1] for t in table], rank)
-    if most == 0:  # no rank sends another a row (every rank sees the same table)
-        return out
-    st.rows.reserve(most * row)
+    if world == 2:  # each rank knows both counts of its one pair: no table
+        peer = 1 - rank
+        first, most = [0, 0], max(input_splits[peer], output_splits[peer])
+        if most == 0:
+            return out
+        with torch.cuda.stream(st.copy):
+            st.rows.reserve(most * row)
+            # the peer has finished reading its buffer (its previous call's dequantize)
+            st.rows.handle.barrier(channel=1)
+    else:
+        with torch.cuda.stream(st.copy):  # beside the casts
+            table = _gather_table(st, [*input_splits, *output_splits, chunks], rank, world)
+        if any(t[-1] != chunks for t in table):
+            raise ValueError(
+                f"chunks differ between ranks: {[t[-1] for t in table]}; every rank must pass "
+                "the same chunks"
+            )
+        first, most = layout([t[:-1] for t in table], rank)
+        if most == 0:  # no rank sends another a row (every rank sees the same table)
+            return out
+    with torch.cuda.stream(st.copy):
+        st.rows.reserve(most * row)
     mine = st.rows.view(rank, 0, (st.rows.part_bytes // row, row), torch.uint8)
     dests = [st.rows.view(d, 0, mine.shape, torch.uint8) for d in range(world)]
     # where each source's rows start in this rank's buffer

@@ -135,11 +135,15 @@ def _check_all_ranks(
     output_splits: list[int],
     input_splits: list[int],
     group: dist.ProcessGroup | None,
+    chunks: int | None = 1,
+    transport: str = "nccl",
 ) -> None:
-    """One all_gather of [error flag, input_splits, output_splits]; every rank raises alike."""
+    """One all_gather of [error flag, input_splits, output_splits, chunks, transport]; every
+    rank raises alike."""
     world = dist.get_world_size(group)
-    n = 1 + 2 * world
-    payload = [0] + input_splits + output_splits if error is None else [1] + [0] * (n - 1)
+    n = 3 + 2 * world
+    how = [-1 if chunks is None else chunks, TRANSPORTS.index(transport)]
+    payload = [0, *input_splits, *output_splits, *how] if error is None else [1] + [0] * (n - 1)
     mine = torch.tensor(payload, dtype=torch.int64, device=_comm_device(group))
     table = torch.empty(world * n, dtype=torch.int64, device=mine.device)
     _all_gather(table, mine, group=group)
@@ -160,6 +164,13 @@ def _check_all_ranks(
                     f"(output_splits[{src}] on rank {dst}); compute output_splits with "
                     "compute_output_splits(input_splits)"
                 )
+    hows = [tuple(r[-2:]) for r in rows]
+    if len(set(hows)) > 1:
+        seen = [(None if c == -1 else c, TRANSPORTS[t]) for c, t in hows]
+        raise ValueError(
+            f"chunks and transport differ between ranks: (chunks, transport) per rank {seen}; "
+            "every rank must pass the same"
+        )
 
 
 def _exchange(
@@ -252,8 +263,9 @@ def to_mxfp8_a2a_dequant(
         transport: "nccl" (default): all_to_all_single. "copy_engine": the GPUs' copy
             engines write the packed rows into the receivers' buffers (symmetric memory:
             CUDA GPUs of one host with peer access, e.g. on NVLink), leaving the SMs to the
-            casts; each call gathers every rank's splits (one small all_gather and a host
-            wait, beside the quantize), which also checks that they agree. ``chunks`` = c
+            casts. With more than two ranks each call gathers every rank's splits through
+            symmetric memory (a host wait beside the quantize), which also checks that they
+            agree; with two ranks nothing is gathered (``validate`` checks). ``chunks`` = c
             then cuts every (sender, receiver) pair's rows into c row ranges, pipelined
             (None: 1). Same results bit for bit; not for CUDA graph capture.
     Returns:
@@ -298,7 +310,7 @@ def to_mxfp8_a2a_dequant(
     except (TypeError, ValueError) as e:
         error = e
     if _validating(validate):
-        _check_all_ranks(error, out_splits, in_splits, group)
+        _check_all_ranks(error, out_splits, in_splits, group, chunks, transport)
     elif error is not None:
         raise error
     if chunks is None and transport == "copy_engine":

@@ -293,11 +293,17 @@ def bad_input(rank, world, backend):
     y = torch.randn(sum(in_splits), 64, device=dev)
     with pytest.raises(ValueError, match="splits disagree: rank 0 sends 2 rows to rank 1"):
         mx.to_mxfp8_a2a_dequant(y, out_splits, in_splits, validate=True)
-    if dev.type == "cuda":  # the copy-engine transport checks the splits it gathers anyway
+    with pytest.raises(ValueError, match="chunks and transport differ between ranks"):
+        mx.to_mxfp8_a2a_dequant(x, ones, ones, chunks=1 + rank, validate=True)
+    if dev.type == "cuda" and world > 2:  # the copy-engine transport gathers the splits then
         with pytest.raises(ValueError, match="splits disagree: rank 0 sends 2 rows to rank 1"):
             mx.to_mxfp8_a2a_dequant(y, out_splits, in_splits, transport="copy_engine")
         with pytest.raises(ValueError, match="chunks differ between ranks"):
             mx.to_mxfp8_a2a_dequant(x, ones, ones, transport="copy_engine", chunks=1 + rank)
+    if dev.type == "cuda":
+        with pytest.raises(ValueError, match="chunks and transport differ between ranks"):
+            how = dict(transport="copy_engine") if rank else {}
+            mx.to_mxfp8_a2a_dequant(x, ones, ones, validate=True, **how)
     # a bad argument on one rank only: with validate every rank raises
     z = torch.randn(world, 64 if rank else 48, device=dev)
     with pytest.raises(ValueError, match="K=48" if rank == 0 else "bad arguments on rank"):
