@@ -183,27 +183,54 @@ def copy_exchange(
     for d, rows in enumerate(input_splits):
         x_starts.append(x_starts[-1] + rows)
         s_starts.append(s_starts[-1] + (0 if d == rank else rows))
-    quantized = []
-    for i in range(chunks):
+    ranges = [row_ranges(rows, chunks) for rows in input_splits]
+
+    def quantize(i: int) -> torch.cuda.Event:
         for d in range(world):
-            a, b = row_ranges(input_splits[d], chunks)[i]
+            a, b = ranges[d][i]
             if d != rank and b > a:
                 src = x[x_starts[d] + a : x_starts[d] + b]
                 _quantize_into(src, staging[s_starts[d] + a : s_starts[d] + b], mode)
-        quantized.append(torch.cuda.Event())
-        quantized[-1].record(main)
-    if n:
-        _roundtrip_into(x[x_at : x_at + n], out[o_at : o_at + n], mode)
+        done = torch.cuda.Event()
+        done.record(main)
+        return done
+
+    def send(i: int, quantized: torch.cuda.Event, first: list[int]) -> torch.cuda.Event:
+        """Range i's copies into the receivers' buffers, then its barrier."""
+        st.copy.wait_event(quantized)
+        with torch.cuda.stream(st.copy):
+            for d in range(world):
+                a, b = ranges[d][i]
+                if d != rank and b > a:
+                    dst = st.rows.view(d, 0, (st.rows.part_bytes // row, row), torch.uint8)
+                    dst[first[d] + a : first[d] + b].copy_(
+                        staging[s_starts[d] + a : s_starts[d] + b]
+                    )
+        copied = torch.cuda.Event()
+        copied.record(st.copy)
+        st.fence.wait_event(copied)
+        with torch.cuda.stream(st.fence):
+            st.rows.handle.barrier(channel=0)  # range i of every pair has arrived
+        arrived = torch.cuda.Event()
+        arrived.record(st.fence)
+        return arrived
+
+    arrived = []
     if world == 2:  # each rank knows both counts of its one pair: no table
         peer = 1 - rank
-        first, most = [0, 0], max(input_splits[peer], output_splits[peer])
-        if most == 0:
-            return out
-        with torch.cuda.stream(st.copy):
-            st.rows.reserve(most * row)
-            # the peer has finished reading its buffer (its previous call's dequantize)
-            st.rows.handle.barrier(channel=1)
+        most = max(input_splits[peer], output_splits[peer])
+        if most:
+            with torch.cuda.stream(st.copy):
+                st.rows.reserve(most * row)
+                # the peer has finished reading its buffer (its previous call's dequantize)
+                st.rows.handle.barrier(channel=1)
+            arrived = [send(i, quantize(i), [0, 0]) for i in range(chunks)]
+        if n:
+            _roundtrip_into(x[x_at : x_at + n], out[o_at : o_at + n], mode)
     else:
+        quantized = [quantize(i) for i in range(chunks)]
+        if n:
+            _roundtrip_into(x[x_at : x_at + n], out[o_at : o_at + n], mode)
         with torch.cuda.stream(st.copy):  # beside the casts
             table = _gather_table(st, [*input_splits, *output_splits, chunks], rank, world)
         if any(t[-1] != chunks for t in table):
@@ -212,32 +239,16 @@ def copy_exchange(
                 "the same chunks"
             )
         first, most = layout([t[:-1] for t in table], rank)
-        if most == 0:  # no rank sends another a row (every rank sees the same table)
-            return out
-    with torch.cuda.stream(st.copy):
-        st.rows.reserve(most * row)
+        if most:  # (the same on every rank: every rank sees the same table)
+            with torch.cuda.stream(st.copy):
+                st.rows.reserve(most * row)
+            arrived = [send(i, quantized[i], first) for i in range(chunks)]
+    staging.record_stream(st.copy)
+    if not arrived:  # no rank sends another a row
+        return out
     mine = st.rows.view(rank, 0, (st.rows.part_bytes // row, row), torch.uint8)
-    dests = [st.rows.view(d, 0, mine.shape, torch.uint8) for d in range(world)]
     # where each source's rows start in this rank's buffer
     r_first = [sum(output_splits[q] for q in range(src) if q != rank) for src in range(world)]
-    arrived = []
-    for i in range(chunks):
-        st.copy.wait_event(quantized[i])
-        with torch.cuda.stream(st.copy):
-            for d in range(world):
-                a, b = row_ranges(input_splits[d], chunks)[i]
-                if d != rank and b > a:
-                    dests[d][first[d] + a : first[d] + b].copy_(
-                        staging[s_starts[d] + a : s_starts[d] + b]
-                    )
-        copied = torch.cuda.Event()
-        copied.record(st.copy)
-        st.fence.wait_event(copied)
-        with torch.cuda.stream(st.fence):
-            st.rows.handle.barrier(channel=0)  # range i of every pair has arrived
-        arrived.append(torch.cuda.Event())
-        arrived[-1].record(st.fence)
-    staging.record_stream(st.copy)
     for i in range(chunks):
         main.wait_event(arrived[i])
         for src in range(world):
