@@ -110,7 +110,8 @@ def _how(setting: int | str | None) -> dict:
     """to_mxfp8_a2a_dequant's arguments for a --chunks value: an int or None ("auto"), or
     "ce:C" (transport="copy_engine", C row ranges)."""
     if isinstance(setting, str):
-        return dict(transport="copy_engine", chunks=int(setting.split(":")[1]))
+        c = setting.split(":")[1]
+        return dict(transport="copy_engine", chunks=None if c == "auto" else int(c))
     return dict(chunks=setting)
 
 
@@ -240,7 +241,8 @@ def main(argv: list[str] | None = None) -> None:
         "--chunks",
         action="append",
         help="mxfp8 chunks per rank pair: an int (default 1: one all_to_all_single), 'auto'"
-        " (pipelined) or 'ce:C' (transport='copy_engine' in C row ranges, CUDA only); repeat"
+        " (pipelined) or 'ce:C' (transport='copy_engine' in C row ranges, C an int or 'auto';"
+        " CUDA only); repeat"
         " to compare",
     )
     p.add_argument("--scaling-mode", choices=["rceil", "floor"], default="rceil")

@@ -42,6 +42,13 @@ BESIDE_COMM_NUM_WARPS = 32
 # ~200000 rows of 5120.
 PIPELINE_CHUNK_BYTES = 1 << 30
 PIPELINE_MAX_CHUNKS = 8
+# Automatic row ranges of the copy-engine exchange (transport="copy_engine", chunks=None):
+# about COPY_ENGINE_RANGE_BYTES of wire bytes per range for the busiest (sender, receiver)
+# pair, at most COPY_ENGINE_MAX_RANGES. bench_a2a.py on 2x H200 (NVLink, 5120 columns,
+# BENCHMARKS.md): 65536 tokens per rank (173 MB to the peer) and fewer ran best in one range,
+# 131072 tokens (346 MB) in two; three and four ranges were slower there.
+COPY_ENGINE_RANGE_BYTES = 128 << 20
+COPY_ENGINE_MAX_RANGES = 2
 
 # Per-group FP8 scaling (mxfp8_a2a/per_group_scales.py), see the kernels' comments there.
 # Rowwise, row-block kernel: one program per work item (a block of rows, one group); the

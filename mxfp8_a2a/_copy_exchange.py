@@ -40,6 +40,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from . import _config
 from ._exchange import _dequantize_into, _quantize_into, _roundtrip_into, _wire_row
 
 
@@ -156,6 +157,13 @@ def row_ranges(n: int, chunks: int) -> list[tuple[int, int]]:
     """The ``chunks`` (first, end) row ranges of a pair's n rows (sender and receiver cut
     alike: both know n)."""
     return [(n * i // chunks, n * (i + 1) // chunks) for i in range(chunks)]
+
+
+def auto_ranges(pair_rows: int, k: int) -> int:
+    """Row ranges for a copy-engine exchange whose busiest (sender, receiver) pair moves
+    pair_rows rows of K columns (COPY_ENGINE_* in _config.py); every rank must use the same."""
+    wire = pair_rows * _wire_row(k)
+    return max(1, min(_config.COPY_ENGINE_MAX_RANGES, wire // _config.COPY_ENGINE_RANGE_BYTES))
 
 
 def copy_exchange(

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from ._common import check_float_input, check_scaling_mode
-from ._copy_exchange import copy_exchange
+from ._copy_exchange import auto_ranges, copy_exchange
 from ._exchange import auto_chunks, exchange_columns
 from .dequantize import dequantize_packed
 from .quantize import quantize_packed
@@ -196,16 +196,33 @@ def _exchange(
 
 
 def agreed_chunks(
-    rows: int, k: int, group: dist.ProcessGroup | None = None, device: torch.device | None = None
+    rows: int,
+    k: int,
+    group: dist.ProcessGroup | None = None,
+    device: torch.device | None = None,
+    pick=auto_chunks,
 ) -> int:
-    """The automatic piece count (:func:`auto_chunks`) for the busiest rank of ``group``:
-    ``rows`` is the most rows this rank sends or receives. One all_reduce (MAX) of one
-    int and a host sync, so that every rank gets the same count."""
+    """The automatic piece count (``pick``: :func:`auto_chunks`) for the busiest rank of
+    ``group``: ``rows`` is the most rows this rank sends or receives. One all_reduce (MAX)
+    of one int and a host sync, so that every rank gets the same count."""
     if dist.get_world_size(group) == 1:
-        return auto_chunks(rows, k)
+        return pick(rows, k)
     t = torch.tensor([rows], dtype=torch.int64, device=device or _comm_device(group))
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return auto_chunks(int(t.item()), k)
+    return pick(int(t.item()), k)
+
+
+def _copy_engine_ranges(
+    output_splits: list[int], input_splits: list[int], k: int, group: dist.ProcessGroup | None
+) -> int:
+    """The automatic row-range count of transport="copy_engine": with two ranks from the one
+    pair's counts (both ranks know them), else agreed with :func:`agreed_chunks`."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if world == 2:
+        peer = 1 - rank
+        return auto_ranges(max(input_splits[peer], output_splits[peer]), k)
+    rows = max(v for d, v in enumerate([*input_splits, *output_splits]) if d % world != rank)
+    return agreed_chunks(rows, k, group, pick=auto_ranges)
 
 
 class _MXFP8AllToAll(torch.autograd.Function):
@@ -266,8 +283,10 @@ def to_mxfp8_a2a_dequant(
             casts. With more than two ranks each call gathers every rank's splits through
             symmetric memory (a host wait beside the quantize), which also checks that they
             agree; with two ranks nothing is gathered (``validate`` checks). ``chunks`` = c
-            then cuts every (sender, receiver) pair's rows into c row ranges, pipelined
-            (None: 1). Same results bit for bit; not for CUDA graph capture.
+            then cuts every (sender, receiver) pair's rows into c row ranges, pipelined;
+            None picks the count from the busiest pair's wire bytes (COPY_ENGINE_* in
+            _config.py; with more than two ranks at the cost of one small all_reduce). Same
+            results bit for bit; not for CUDA graph capture.
     Returns:
         [sum(output_splits), K] in x's dtype, rows in source-rank order. Each row equals
         dequantize(quantize(row sent)) bit for bit; a block holding NaN arrives as NaN, a
@@ -314,7 +333,7 @@ def to_mxfp8_a2a_dequant(
     elif error is not None:
         raise error
     if chunks is None and transport == "copy_engine":
-        chunks = 1
+        chunks = _copy_engine_ranges(out_splits, in_splits, x.shape[1], group)
     if chunks is None:
         rows = max(sum(out_splits), sum(in_splits))
         chunks = 1 if torch.compiler.is_compiling() else agreed_chunks(rows, x.shape[1], group)

@@ -75,11 +75,12 @@ def _piece_bytes(n: int | None):
 
 def _how(chunks) -> dict:
     """Keyword arguments of a case: an int / None (chunks), "tiny pieces" (automatic pieces at
-    200 bytes each) or "copy c" (the copy-engine transport, c row ranges)."""
+    200 bytes each) or "copy c" (the copy-engine transport, c row ranges or "auto")."""
     if chunks == "tiny pieces":
         return dict(chunks=None)
     if isinstance(chunks, str):
-        return dict(chunks=int(chunks.split()[1]), transport="copy_engine")
+        c = chunks.split()[1]
+        return dict(chunks=None if c == "auto" else int(c), transport="copy_engine")
     return dict(chunks=chunks)
 
 
@@ -146,7 +147,8 @@ def exact_large(rank, world, backend, seed):
     t = [[s[d][r] for d in range(world)] for r in range(world)]
     want_grad = expected_rows(rank, t, make_g)
     grad = make_g(rank)
-    for chunks in (1, None, 3, 7, *(["copy 1", "copy 4"] if dev.type == "cuda" else [])):
+    copies = ["copy 1", "copy 4", "copy auto"] if dev.type == "cuda" else []
+    for chunks in (1, None, 3, 7, *copies):
         x = make_x(rank).requires_grad_(True)
         out = mx.to_mxfp8_a2a_dequant(x, out_splits, in_splits, **_how(chunks))
         assert torch.equal(out.detach().cpu(), want_out), chunks

@@ -154,3 +154,13 @@ def test_copy_engine_layout():
     for rank in range(3):
         with pytest.raises(ValueError, match="rank 1 sends 0 rows to rank 1 but rank 1 expects 2"):
             layout(table, rank)
+
+
+def test_copy_engine_auto_ranges(monkeypatch):
+    from mxfp8_a2a import _config
+    from mxfp8_a2a._copy_exchange import auto_ranges
+
+    monkeypatch.setattr(_config, "COPY_ENGINE_RANGE_BYTES", 1000)
+    monkeypatch.setattr(_config, "COPY_ENGINE_MAX_RANGES", 3)
+    # 144-byte rows (128 columns + 4 scale bytes, padded to 16): 1000 bytes per range
+    assert [auto_ranges(r, 128) for r in (0, 6, 7, 13, 14, 21, 10**6)] == [1, 1, 1, 1, 2, 3, 3]
