@@ -196,33 +196,25 @@ def _exchange(
 
 
 def agreed_chunks(
-    rows: int,
-    k: int,
-    group: dist.ProcessGroup | None = None,
-    device: torch.device | None = None,
-    pick=auto_chunks,
+    rows: int, k: int, group: dist.ProcessGroup | None = None, device: torch.device | None = None
 ) -> int:
-    """The automatic piece count (``pick``: :func:`auto_chunks`) for the busiest rank of
-    ``group``: ``rows`` is the most rows this rank sends or receives. One all_reduce (MAX)
-    of one int and a host sync, so that every rank gets the same count."""
+    """The automatic piece count (:func:`auto_chunks`) for the busiest rank of ``group``:
+    ``rows`` is the most rows this rank sends or receives. One all_reduce (MAX) of one
+    int and a host sync, so that every rank gets the same count."""
     if dist.get_world_size(group) == 1:
-        return pick(rows, k)
+        return auto_chunks(rows, k)
     t = torch.tensor([rows], dtype=torch.int64, device=device or _comm_device(group))
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return pick(int(t.item()), k)
+    return auto_chunks(int(t.item()), k)
 
 
 def _copy_engine_ranges(
     output_splits: list[int], input_splits: list[int], k: int, group: dist.ProcessGroup | None
 ) -> int:
-    """The automatic row-range count of transport="copy_engine": with two ranks from the one
-    pair's counts (both ranks know them), else agreed with :func:`agreed_chunks`."""
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    if world == 2:
-        peer = 1 - rank
-        return auto_ranges(max(input_splits[peer], output_splits[peer]), k)
-    rows = max(v for d, v in enumerate([*input_splits, *output_splits]) if d % world != rank)
-    return agreed_chunks(rows, k, group, pick=auto_ranges)
+    """The automatic row-range count of transport="copy_engine" (two ranks): from the one
+    pair's counts, which both ranks know."""
+    peer = 1 - dist.get_rank(group)
+    return auto_ranges(max(input_splits[peer], output_splits[peer]), k)
 
 
 class _MXFP8AllToAll(torch.autograd.Function):
@@ -277,16 +269,13 @@ def to_mxfp8_a2a_dequant(
         validate: check, with one all_gather of 2 * group-size + 1 int64 values and a host
             sync, that the splits agree across ranks; every rank then raises the same error
             instead of hanging. Also on when the environment variable MXFP8_A2A_VALIDATE=1.
-        transport: "nccl" (default): all_to_all_single. "copy_engine": the GPUs' copy
-            engines write the packed rows into the receivers' buffers (symmetric memory:
-            CUDA GPUs of one host with peer access, e.g. on NVLink), leaving the SMs to the
-            casts. With more than two ranks each call gathers every rank's splits through
-            symmetric memory (a host wait beside the quantize), which also checks that they
-            agree; with two ranks nothing is gathered (``validate`` checks). ``chunks`` = c
-            then cuts every (sender, receiver) pair's rows into c row ranges, pipelined;
-            None picks the count from the busiest pair's wire bytes (COPY_ENGINE_* in
-            _config.py; with more than two ranks at the cost of one small all_reduce). Same
-            results bit for bit; not for CUDA graph capture.
+        transport: "nccl" (default): all_to_all_single. "copy_engine", for a group of two
+            ranks on CUDA GPUs with peer access (e.g. NVLink): the GPUs' copy engines write
+            the packed rows into the peer's buffer (symmetric memory), leaving the SMs to
+            the casts; no host sync. ``chunks`` = c then cuts each direction's rows into c
+            row ranges, pipelined (quantize, copy, dequantize overlap); None picks the count
+            from the wire bytes (COPY_ENGINE_* in _config.py). Faster than "nccl" for large
+            exchanges (BENCHMARKS.md); same results bit for bit; not for CUDA graph capture.
     Returns:
         [sum(output_splits), K] in x's dtype, rows in source-rank order. Each row equals
         dequantize(quantize(row sent)) bit for bit; a block holding NaN arrives as NaN, a
@@ -316,10 +305,11 @@ def to_mxfp8_a2a_dequant(
             raise ValueError(f"chunks must be None or a positive int, got {chunks!r}")
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
-        if transport == "copy_engine" and x.device.type != "cuda":
+        if transport == "copy_engine" and (x.device.type != "cuda" or world != 2):
             raise ValueError(
-                "transport='copy_engine' needs CUDA tensors (GPUs with peer access); got x on "
-                f"{x.device}: use transport='nccl' (the default)"
+                "transport='copy_engine' needs CUDA tensors (GPUs with peer access) and a group "
+                f"of two ranks; got x on {x.device} and {world} ranks: use transport='nccl' "
+                "(the default)"
             )
         if x.device.type not in ("cpu", "cuda"):
             raise ValueError(f"x must be a CPU (gloo) or CUDA (NCCL) tensor, got {x.device}")
