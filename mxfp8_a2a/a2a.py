@@ -266,9 +266,10 @@ def to_mxfp8_a2a_dequant(
             itself skip the wire (on CUDA from KEEP_LOCAL_MIN_ELEMENTS elements up): their
             round trip runs while the others are in flight. torch.compile traces one
             collective of every row whatever ``chunks`` is.
-        validate: check, with one all_gather of 2 * group-size + 1 int64 values and a host
-            sync, that the splits agree across ranks; every rank then raises the same error
-            instead of hanging. Also on when the environment variable MXFP8_A2A_VALIDATE=1.
+        validate: check, with one all_gather of 2 * group-size + 3 int64 values and a host
+            sync, that the splits, chunks and transport agree across ranks; every rank then
+            raises the same error instead of hanging. Also on when the environment variable
+            MXFP8_A2A_VALIDATE=1.
         transport: "nccl" (default): all_to_all_single. "copy_engine", for a group of two
             ranks on CUDA GPUs with peer access (e.g. NVLink): the GPUs' copy engines write
             the packed rows into the peer's buffer (symmetric memory), leaving the SMs to

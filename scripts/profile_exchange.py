@@ -67,7 +67,7 @@ def main() -> None:
     p.add_argument("--shape", default="8192x5120", help="TOKENSxDIM per rank")
     p.add_argument(
         "--chunks", default="1",
-        help="an int, 'auto', or 'ce:C' (transport='copy_engine', C row ranges)",
+        help="an int, 'auto', or 'ce:C' (transport='copy_engine', C row ranges or 'auto')",
     )  # fmt: skip
     p.add_argument("--calls", type=int, default=5)
     p.add_argument("--out", default="profile_out")
@@ -85,7 +85,8 @@ def main() -> None:
     tokens, dim = (int(v) for v in args.shape.lower().split("x"))
     how = (
         dict(chunks=None) if args.chunks == "auto"
-        else dict(transport="copy_engine", chunks=int(args.chunks[3:]))
+        else dict(transport="copy_engine", chunks=None if args.chunks == "ce:auto"
+                  else int(args.chunks[3:]))
         if args.chunks.startswith("ce:") else dict(chunks=int(args.chunks))
     )  # fmt: skip
     splits = [tokens // world] * world
