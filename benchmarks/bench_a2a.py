@@ -107,8 +107,8 @@ def time_graphed(name, f, x, grad, timer) -> dict:
 
 
 def _how(setting: int | str | None) -> dict:
-    """to_mxfp8_a2a_dequant's arguments for a --chunks value: an int or None ("auto"), or
-    "ce:C" (transport="copy_engine", C row ranges)."""
+    """to_mxfp8_a2a_dequant's arguments for a parsed --chunks value: an int or None
+    ("auto"), or "ce:C" (transport="copy_engine", C row ranges, an int or "auto")."""
     if isinstance(setting, str):
         c = setting.split(":")[1]
         return dict(transport="copy_engine", chunks=None if c == "auto" else int(c))
@@ -123,6 +123,11 @@ def _setting(text: str) -> int | str | None:
     return int(text)
 
 
+def chunk_arguments(text: str) -> dict:
+    """to_mxfp8_a2a_dequant's arguments for one --chunks value as typed."""
+    return _how(_setting(text))
+
+
 def bench_shape(tokens, dim, kind, timer, device, mode, chunk_settings, graphs=False):
     world, rank = dist.get_world_size(), dist.get_rank()
     in_splits = make_splits(tokens, world, rank, kind)
@@ -133,25 +138,19 @@ def bench_shape(tokens, dim, kind, timer, device, mode, chunk_settings, graphs=F
     def bf16(x_):
         return _Bf16AllToAll.apply(x_, out_splits, in_splits)
 
+    def mxfp8(chunks):
+        how = _how(chunks)
+        return lambda x_: mx.to_mxfp8_a2a_dequant(
+            x_, out_splits, in_splits, scaling_mode=mode, **how
+        )
+
     res = time_directions("bf16", bf16, x, grad, timer)
     for chunks in chunk_settings:
-        how = _how(chunks)
-
-        def mxfp8(x_, how=how):
-            return mx.to_mxfp8_a2a_dequant(x_, out_splits, in_splits, scaling_mode=mode, **how)
-
-        res.update(time_directions(f"mxfp8 c={chunks or 'auto'}", mxfp8, x, grad, timer))
-
+        res.update(time_directions(f"mxfp8 c={chunks or 'auto'}", mxfp8(chunks), x, grad, timer))
     if graphs:
         res |= time_graphed("bf16", bf16, x, grad, timer)
         for chunks in graph_chunks(chunk_settings):
-
-            def mxfp8_graph(x_, chunks=chunks):
-                return mx.to_mxfp8_a2a_dequant(
-                    x_, out_splits, in_splits, scaling_mode=mode, chunks=chunks
-                )
-
-            res |= time_graphed(f"mxfp8 c={chunks}", mxfp8_graph, x, grad, timer)
+            res |= time_graphed(f"mxfp8 c={chunks}", mxfp8(chunks), x, grad, timer)
     packed = quantize_packed(x, scaling_mode=mode)
     recv = packed.new_empty((sum(out_splits), packed.shape[1]))
     res["quant"] = timer(lambda _: quantize_packed(x, scaling_mode=mode))
@@ -242,8 +241,7 @@ def main(argv: list[str] | None = None) -> None:
         action="append",
         help="mxfp8 chunks per rank pair: an int (default 1: one all_to_all_single), 'auto'"
         " (pipelined) or 'ce:C' (transport='copy_engine' in C row ranges, C an int or 'auto';"
-        " CUDA only); repeat"
-        " to compare",
+        " CUDA only); repeat to compare",
     )
     p.add_argument("--scaling-mode", choices=["rceil", "floor"], default="rceil")
     p.add_argument(

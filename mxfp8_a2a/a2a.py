@@ -57,12 +57,14 @@ def _check_capturable(
     output_splits, input_splits, chunks, validate, transport: str = "nccl"
 ) -> None:
     """Under CUDA graph capture nothing may wait for the GPU: no piece count agreed at run
-    time, no validation round, no splits read back from the GPU, no copy-engine transport
-    (it reads the gathered splits on the host)."""
+    time, no validation round, no splits read back from the GPU; and only the NCCL
+    transport (the copy-engine one grows its buffer with a synchronizing rendezvous and has
+    not been run under capture)."""
     if transport != "nccl":
         raise ValueError(
-            f"transport={transport!r} reads the ranks' splits on the host at every call and "
-            "cannot be captured in a CUDA graph; capture with transport='nccl'"
+            f"transport={transport!r} cannot be captured in a CUDA graph (its buffer grows "
+            "with a synchronizing rendezvous; capture is untested); capture with "
+            "transport='nccl'"
         )
     for name, value in (("output_splits", output_splits), ("input_splits", input_splits)):
         if isinstance(value, torch.Tensor) and value.device.type != "cpu":

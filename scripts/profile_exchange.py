@@ -26,7 +26,7 @@ import mxfp8_a2a as mx
 from mxfp8_a2a._launch import capture_graph, init_from_torchrun
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from bench_a2a import _Bf16AllToAll  # noqa: E402
+from bench_a2a import _Bf16AllToAll, chunk_arguments  # noqa: E402
 
 
 def print_timeline(trace_paths: list[str], calls: int) -> None:
@@ -83,12 +83,7 @@ def main() -> None:
     device = init_from_torchrun()
     rank, world = dist.get_rank(), dist.get_world_size()
     tokens, dim = (int(v) for v in args.shape.lower().split("x"))
-    how = (
-        dict(chunks=None) if args.chunks == "auto"
-        else dict(transport="copy_engine", chunks=None if args.chunks == "ce:auto"
-                  else int(args.chunks[3:]))
-        if args.chunks.startswith("ce:") else dict(chunks=int(args.chunks))
-    )  # fmt: skip
+    how = chunk_arguments(args.chunks)
     splits = [tokens // world] * world
     splits[rank] += tokens - sum(splits)
     out_splits = mx.compute_output_splits(splits)
