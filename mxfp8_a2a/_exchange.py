@@ -145,19 +145,24 @@ def exchange_columns(
     recv_splits[rank] -= n
     cuts = column_cuts(x.shape[1], chunks)
     wire = sum(_wire_row(w) for _, w in cuts)
-    send = torch.empty(n_send * wire, dtype=torch.uint8, device=x.device)
-    recv = torch.empty(n_recv * wire, dtype=torch.uint8, device=x.device)
+    # one piece: the buffers are its [rows, wire] tensors (fewer views, less host time)
+    send = torch.empty((n_send, wire), dtype=torch.uint8, device=x.device)
+    recv = torch.empty((n_recv, wire), dtype=torch.uint8, device=x.device)
     beside = _cast_programs(x.device)
 
     def columns(t: torch.Tensor, c0: int, w: int) -> torch.Tensor:
         return t if w == t.shape[1] else t[:, c0 : c0 + w]
 
+    def piece(buf: torch.Tensor, at: int, rows: int, row: int) -> torch.Tensor:
+        if row == wire:
+            return buf
+        return buf.view(-1)[at : at + rows * row].view(rows, row)
+
     pieces, at_s, at_r = [], 0, 0
     for i, (c0, w) in enumerate(cuts):
         row = _wire_row(w)
-        s = send[at_s : at_s + n_send * row].view(n_send, row)
-        r = recv[at_r : at_r + n_recv * row].view(n_recv, row)
-        at_s, at_r = at_s + s.numel(), at_r + r.numel()
+        s, r = piece(send, at_s, n_send, row), piece(recv, at_r, n_recv, row)
+        at_s, at_r = at_s + n_send * row, at_r + n_recv * row
         _quantize_into(columns(x, c0, w), s, mode, (x_at, n), None if i == 0 else beside)
         pieces.append((_all_to_all(r, s, recv_splits, send_splits, group), r, c0, w))
     if n:

@@ -39,6 +39,8 @@ def _splits_list(splits: Splits, name: str, device: torch.device) -> list[int]:
                 "CPU or on x's device"
             )
         return [int(v) for v in splits.tolist()]  # a host sync for device tensors
+    if type(splits) is list and all(type(v) is int for v in splits):
+        return list(splits)  # the common case; a copy, kept for the backward
     try:
         out = [int(v) for v in splits]
     except TypeError:

@@ -2,7 +2,7 @@
 
 import torch
 
-from mxfp8_a2a._fast_launch import _arg_key
+from mxfp8_a2a._fast_launch import _arg_key, _keys_and_values
 
 
 def test_tensor_key_holds_dtype_and_16_byte_alignment():
@@ -26,3 +26,11 @@ def test_int_key_holds_one_multiple_of_16_and_width():
 def test_other_values_key_as_themselves():
     assert _arg_key(True) is True
     assert _arg_key(None) is None
+
+
+def test_keys_and_values_key_like_arg_key_and_pass_addresses():
+    x = torch.randn(40, dtype=torch.float32)
+    args = (x, x[3:], 7, 1, 2**31, None)
+    keys, values = _keys_and_values(args)
+    assert keys == [_arg_key(a) for a in args]
+    assert values == [x.data_ptr(), x[3:].data_ptr(), 7, 1, 2**31, None]
