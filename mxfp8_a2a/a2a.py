@@ -81,6 +81,19 @@ def _check_capturable(
         )
 
 
+def check_transport(transport: str, device: torch.device, world: int) -> None:
+    """Raise a ValueError unless ``transport`` is known and can serve tensors on ``device``
+    in a group of ``world`` ranks ("copy_engine": CUDA, two ranks)."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+    if transport == "copy_engine" and (device.type != "cuda" or world != 2):
+        raise ValueError(
+            "transport='copy_engine' needs CUDA tensors (GPUs with peer access) and a group "
+            f"of two ranks; got tensors on {device} and {world} ranks: use transport='nccl' "
+            "(the default)"
+        )
+
+
 def _comm_device(group: dist.ProcessGroup | None) -> torch.device:
     """The device the collectives of ``group`` take tensors on (CUDA for NCCL)."""
     if "nccl" in str(dist.get_backend(group)):
@@ -308,14 +321,7 @@ def to_mxfp8_a2a_dequant(
             raise ValueError(f"x must be 2-D [tokens, K], got shape {tuple(x.shape)}; flatten it")
         if chunks is not None and (not isinstance(chunks, int) or chunks < 1):
             raise ValueError(f"chunks must be None or a positive int, got {chunks!r}")
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
-        if transport == "copy_engine" and (x.device.type != "cuda" or world != 2):
-            raise ValueError(
-                "transport='copy_engine' needs CUDA tensors (GPUs with peer access) and a group "
-                f"of two ranks; got x on {x.device} and {world} ranks: use transport='nccl' "
-                "(the default)"
-            )
+        check_transport(transport, x.device, world)
         if x.device.type not in ("cpu", "cuda"):
             raise ValueError(f"x must be a CPU (gloo) or CUDA (NCCL) tensor, got {x.device}")
         out_splits = _splits_list(output_splits, "output_splits", x.device)

@@ -8,6 +8,9 @@ Autograd flows through both (the exchanges' backward is the reverse exchange).
 
 Host syncs: one, in ``dispatch``, to read the row counts that all_to_all_single needs
 (after one small all-to-all of per-expert counts). ``combine`` has none.
+
+``transport`` ("nccl" or "copy_engine") picks how the MXFP8 exchanges move their rows (see
+:func:`mxfp8_a2a.to_mxfp8_a2a_dequant`); the bf16 exchange always uses NCCL.
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from ._copy_exchange import auto_ranges
 from ._exchange import auto_chunks
-from .a2a import _comm_device, to_mxfp8_a2a_dequant
+from .a2a import _comm_device, check_transport, to_mxfp8_a2a_dequant
 
 EXCHANGES = ("mxfp8", "bf16")
 
@@ -31,12 +35,15 @@ def exchange_rows(
     group: dist.ProcessGroup | None,
     exchange: str,
     chunks: int = 1,
+    transport: str = "nccl",
 ) -> torch.Tensor:
     """Differentiable all-to-all of x's rows: "mxfp8" (to_mxfp8_a2a_dequant with ``chunks``
-    column pieces, the same on every rank) or "bf16" (a plain all_to_all_single of x as it
-    is, in its own dtype)."""
+    and ``transport``, the same on every rank) or "bf16" (a plain all_to_all_single of x as
+    it is, in its own dtype)."""
     if exchange == "mxfp8":
-        return to_mxfp8_a2a_dequant(x, output_splits, input_splits, group, chunks=chunks)
+        return to_mxfp8_a2a_dequant(
+            x, output_splits, input_splits, group, chunks=chunks, transport=transport
+        )
     if exchange == "bf16":
         out = funcol.all_to_all_single_autograd(
             x, output_splits, input_splits, group or dist.group.WORLD
@@ -52,8 +59,9 @@ class DispatchHandle:
     order: [T * k] (token, slot) pairs sorted by expert (stable); inverse_order: its inverse.
     regroup: [N] received rows reordered from (source rank, expert) to (expert, source
     rank); inverse_regroup: its inverse. input_splits / output_splits: rows sent to / received
-    from each rank. top_k, num_tokens: for the final sum. chunks: column pieces of the
-    MXFP8 exchanges (auto_chunks of the busiest rank's rows; the same on every rank).
+    from each rank. top_k, num_tokens: for the final sum. chunks: column pieces (NCCL) or
+    row ranges (copy engines) of the MXFP8 exchanges, from the busiest rank's rows (the same
+    on every rank); transport: theirs.
     """
 
     order: torch.Tensor
@@ -66,6 +74,7 @@ class DispatchHandle:
     num_tokens: int
     group: dist.ProcessGroup | None
     chunks: int
+    transport: str = "nccl"
 
 
 def _inverse(perm: torch.Tensor) -> torch.Tensor:
@@ -81,6 +90,7 @@ def dispatch(
     group: dist.ProcessGroup | None = None,
     *,
     exchange: str = "mxfp8",
+    transport: str = "nccl",
 ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
     """Send each token to the ranks of its top-k experts.
 
@@ -89,6 +99,8 @@ def dispatch(
         topk_ids: [T, k] integer expert ids in [0, num_experts).
         num_experts: total experts, a multiple of the group size.
         exchange: "mxfp8" or "bf16" (plain all-to-all in x's dtype).
+        transport: of the MXFP8 exchanges, "nccl" (default) or "copy_engine" (two ranks on
+            CUDA GPUs with peer access; see :func:`mxfp8_a2a.to_mxfp8_a2a_dequant`).
     Returns:
         expert_x: [N, H] rows received, grouped by local expert (expert 0 first), within an
             expert by source rank; tokens_per_expert: list of L ints, rows per local expert
@@ -97,6 +109,7 @@ def dispatch(
     world = dist.get_world_size(group)
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
+    check_transport(transport, x.device, world)  # before the first collective, on every rank
     if x.dim() != 2:
         raise ValueError(f"x must be [tokens, hidden], got shape {tuple(x.shape)}")
     if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
@@ -127,17 +140,21 @@ def dispatch(
     sizes = torch.cat([sent.view(world, local).sum(1), per_rank.sum(1), per_rank.sum(0), peak])
     sizes = sizes.tolist()  # the host sync: all_to_all_single needs the splits on the host
     input_splits, output_splits = sizes[:world], sizes[world : 2 * world]
-    chunks = auto_chunks(sizes[-1], x.shape[1])
+    pieces = auto_ranges if transport == "copy_engine" else auto_chunks
+    chunks = pieces(sizes[-1], x.shape[1])
     recv_counts = recv_counts.to(x.device)
     # received rows come as (source, expert) segments; regroup to (expert, source)
     seg = torch.repeat_interleave(torch.arange(world * local, device=x.device), recv_counts)
     key = (seg % local) * world + seg // local
     regroup = torch.sort(key, stable=True).indices
-    rows = exchange_rows(x[order // k], output_splits, input_splits, group, exchange, chunks)
+    rows = exchange_rows(
+        x[order // k], output_splits, input_splits, group, exchange, chunks, transport
+    )
     inverses = _inverse(order), _inverse(regroup)
     handle = DispatchHandle(
-        order, inverses[0], regroup, inverses[1], input_splits, output_splits, k, t, group, chunks
-    )
+        order, inverses[0], regroup, inverses[1], input_splits, output_splits, k, t, group,
+        chunks, transport,
+    )  # fmt: skip
     return rows[regroup], sizes[2 * world : 2 * world + local], handle
 
 
@@ -165,8 +182,9 @@ def combine(
         )
     y = expert_y[handle.inverse_regroup]
     back = exchange_rows(
-        y, handle.input_splits, handle.output_splits, handle.group, exchange, handle.chunks
-    )
+        y, handle.input_splits, handle.output_splits, handle.group, exchange, handle.chunks,
+        handle.transport,
+    )  # fmt: skip
     slots = back[handle.inverse_order].view(handle.num_tokens, handle.top_k, -1)
     return (slots * topk_weights.unsqueeze(-1).to(slots.dtype)).sum(1)
 
@@ -194,8 +212,9 @@ class ExpertParallelMoE(torch.nn.Module):
     router: replicated Linear(hidden, num_experts); experts: this rank's L = num_experts /
     world experts, gelu MLPs hidden -> ffn -> hidden, weights w1 [L, hidden, ffn] and
     w2 [L, ffn, hidden]. Forward: x [T, hidden] -> [T, hidden]. ``exchange`` picks "mxfp8"
-    or "bf16" for dispatch and combine. Parameters are drawn from ``seed`` for all experts
-    and sliced, so every world size builds the same model.
+    or "bf16" for dispatch and combine, ``transport`` how the MXFP8 exchanges move rows
+    ("nccl" or "copy_engine", see :func:`dispatch`). Parameters are drawn from ``seed`` for
+    all experts and sliced, so every world size builds the same model.
     """
 
     def __init__(
@@ -207,6 +226,7 @@ class ExpertParallelMoE(torch.nn.Module):
         group: dist.ProcessGroup | None = None,
         *,
         exchange: str = "mxfp8",
+        transport: str = "nccl",
         seed: int = 0,
     ):
         super().__init__()
@@ -223,13 +243,16 @@ class ExpertParallelMoE(torch.nn.Module):
         )
         full = init_moe_weights(hidden, ffn, num_experts, seed)
         local = slice(rank * num_experts // world, (rank + 1) * num_experts // world)
+        self.transport = transport
         self.router = torch.nn.Parameter(full["router"])
         self.w1 = torch.nn.Parameter(full["w1"][local].clone())
         self.w2 = torch.nn.Parameter(full["w2"][local].clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(x @ self.router, self.top_k)
-        ex, counts, handle = dispatch(x, ids, self.num_experts, self.group, exchange=self.exchange)
+        ex, counts, handle = dispatch(
+            x, ids, self.num_experts, self.group, exchange=self.exchange, transport=self.transport
+        )
         ey = expert_mlp(ex, self.w1.to(ex.dtype), self.w2.to(ex.dtype), counts)
         return combine(ey, weights, handle, exchange=self.exchange)
 

@@ -34,6 +34,7 @@ class TinyMoE(torch.nn.Module):
                 args.top_k,
                 group,
                 exchange=args.exchange,
+                transport=args.transport,
                 seed=args.seed + i,
             )
             for i in range(args.layers)
@@ -63,6 +64,12 @@ def main() -> None:
     )
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--exchange", choices=["bf16", "mxfp8"], default="mxfp8")
+    p.add_argument(
+        "--transport",
+        choices=["nccl", "copy_engine"],
+        default="nccl",
+        help="how the MXFP8 exchanges move rows (copy_engine: two ranks on CUDA GPUs)",
+    )
     p.add_argument("--tokens", type=int, default=256, help="tokens per rank per step")
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--ffn", type=int, default=256)

@@ -96,3 +96,39 @@ def mxfp8_vs_bf16(rank, world, backend, seed, top_k, routing, tokens):
     (ref_out, ref_grad), (out, grad) = results
 
     return sqnr_db(ref_out, out), sqnr_db(ref_grad, grad)
+
+
+def copy_engine_matches_nccl(rank, world, backend, seed, top_k, routing, tokens):
+    """The MXFP8 layer through the copy engines against the same layer through NCCL (fp32,
+    two ranks): the same output bit for bit (both exchanges give dequantize(quantize(row)));
+    gradients equal up to the order of the atomic adds that gather x's rows."""
+    dev = device_for(backend)
+    results = []
+    for transport in ("nccl", "copy_engine"):
+        layer = ExpertParallelMoE(
+            HIDDEN, FFN, 2 * world, top_k, exchange="mxfp8", transport=transport, seed=seed
+        ).to(dev)
+        with torch.no_grad():
+            _bias_router(layer.router, routing)
+        x, g = _inputs(rank, seed, dev, routing, tokens)
+        x.requires_grad_(True)
+        out = layer(x)
+        (out * g).sum().backward()
+        results.append((out.detach(), x.grad, layer.w1.grad, layer.w2.grad, layer.router.grad))
+    (out_n, *grads_n), (out_c, *grads_c) = results
+    assert torch.equal(out_n, out_c), (out_n - out_c).abs().max()
+    for a, b in zip(grads_n, grads_c, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def copy_engine_needs_cuda_pair(rank, world, backend):
+    """transport="copy_engine" on CPU tensors: dispatch raises a ValueError naming the
+    argument before its first collective, on every rank."""
+    layer = ExpertParallelMoE(HIDDEN, FFN, 2 * world, 1, transport="copy_engine")
+    x, _ = _inputs(rank, 0, torch.device("cpu"), "normal")
+    try:
+        layer(x)
+    except ValueError as e:
+        assert "transport='copy_engine'" in str(e), e
+        return True
+    raise AssertionError("no ValueError for transport='copy_engine' on CPU tensors")
