@@ -36,11 +36,16 @@ if has exchange; then
   n=$(python3 -c 'import torch; print(torch.cuda.device_count())')
   timeout 150 torchrun --nproc-per-node="$n" "$here/scripts/host_cost.py" --shape 256x5120 \
     --shape 8192x5120 2>&1 | grep -v '^W1' > "$out/host_cost.txt"
+  for s in 256x5120 8192x5120; do
+    timeout 90 torchrun --nproc-per-node="$n" "$here/scripts/host_trace.py" $s 2>&1 \
+      | grep -v '^W1' > "$out/host_trace_$s.txt"
+  done
   for c in 1 4; do
     timeout 90 torchrun --nproc-per-node="$n" "$here/scripts/profile_exchange.py" --shape 131072x5120 \
       --chunks $c --out /tmp/profile_exchange 2>&1 | grep -v '^W1' > "$out/profile_c$c.txt"
   done
-  grep -A16 "us per call" "$out/host_cost.txt"; grep -A10 "GPU timeline" "$out"/profile_c*.txt
+  grep -A16 "us per call" "$out/host_cost.txt"; cat "$out"/host_trace_*.txt
+  grep -A10 "GPU timeline" "$out"/profile_c*.txt
 fi
 if has bench; then
   timeout 400 "$here/scripts/run_benchmarks.sh" "$out" 2>&1 | grep -v '^W1' | tail -80
