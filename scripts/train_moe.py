@@ -20,6 +20,8 @@ import torch.distributed as dist
 
 from mxfp8_a2a import ExpertParallelMoE
 from mxfp8_a2a._launch import init_from_torchrun
+from mxfp8_a2a.a2a import TRANSPORTS
+from mxfp8_a2a.moe import EXCHANGES
 
 
 class TinyMoE(torch.nn.Module):
@@ -63,10 +65,10 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--exchange", choices=["bf16", "mxfp8"], default="mxfp8")
+    p.add_argument("--exchange", choices=EXCHANGES, default="mxfp8")
     p.add_argument(
         "--transport",
-        choices=["nccl", "copy_engine"],
+        choices=TRANSPORTS,
         default="nccl",
         help="how the MXFP8 exchanges move rows (copy_engine: two ranks on CUDA GPUs)",
     )
