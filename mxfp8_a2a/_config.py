@@ -114,3 +114,10 @@ def per_group_tiling(group_dim: int, interpreted: bool) -> RowBlockTiling | Grou
     if interpreted:
         return INTERPRET_ROWWISE_TILING if group_dim == 1 else INTERPRET_COLWISE_TILING
     return ROWWISE_TILING if group_dim == 1 else COLWISE_TILING
+
+
+# One-piece CUDA exchanges recorded and replayed (_exchange._Plan): at most this many
+# (shape, splits, rank) plans are kept (all dropped when full; an MoE step whose splits
+# change every call never repeats a key, and records nothing: a key is recorded on its
+# second call). Each plan holds a few ints and kernel handles, no tensors.
+PLAN_CACHE_SIZE = 64

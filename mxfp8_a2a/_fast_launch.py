@@ -15,6 +15,9 @@ Kernels under the interpreter (TRITON_INTERPRET=1) go through ``kernel[grid](...
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import torch
 import triton
 from triton import knobs
@@ -70,12 +73,11 @@ def launch(kernel, grid: int, args: tuple, consts: dict, num_warps: int) -> None
         names = list(kernel.arg_names)
         if names[len(args) :] != list(consts):
             raise AssertionError(f"constexprs {list(consts)} are not the tail of {names}")
-        _COMPILED[key] = kernel[(grid,)](*args, **consts, num_warps=num_warps)
+        compiled = _COMPILED[key] = kernel[(grid,)](*args, **consts, num_warps=num_warps)
+        _record(compiled, grid, args, consts)
         return
-    if _raw_stream is not None:
-        stream = _raw_stream(device.index)
-    else:
-        stream = torch.cuda.current_stream(device).cuda_stream
+    _record(compiled, grid, args, consts)
+    stream = _current_stream(device.index)
     enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
     if _active(enter) or _active(leave):
         compiled[(grid, 1, 1)](*args, *consts.values(), stream=stream)
@@ -84,6 +86,17 @@ def launch(kernel, grid: int, args: tuple, consts: dict, num_warps: int) -> None
         grid, 1, 1, stream, compiled.function, compiled.packed_metadata, None, enter, leave,
         *values, *consts.values(),
     )  # fmt: skip
+
+
+def _current_stream(index: int) -> int:
+    if _raw_stream is not None:
+        return _raw_stream(index)
+    return torch.cuda.current_stream(index).cuda_stream
+
+
+def hooks_active() -> bool:
+    """Whether Triton's launch hooks are set (a profiler): replays then stay off."""
+    return _active(knobs.runtime.launch_enter_hook) or _active(knobs.runtime.launch_exit_hook)
 
 
 def _active(hook: object) -> bool:
@@ -98,3 +111,82 @@ def launch_tiles(
     32, on at most ``max_programs`` programs (None: one per tile); programs loop over tiles."""
     n_tiles = triton.cdiv(n_groups, consts["BLOCK_G"])
     launch(kernel, min(n_tiles, max_programs or n_tiles), args, consts, num_warps)
+
+
+# ---------------------------------------------------------------------------- replays
+# A call that launches the same kernels with the same arguments every time, up to the
+# addresses of a few tensors (the exchange for one shape and one set of splits), records
+# its launches once and then replays them: the recorded C-launcher arguments with new base
+# addresses, and none of the argument checks, keys or grid arithmetic in between.
+
+_RECORDING = threading.local()
+
+
+def _record(compiled, grid: int, args: tuple, consts: dict) -> None:
+    launches = getattr(_RECORDING, "launches", None)
+    if launches is not None:
+        launches.append((compiled, grid, args, tuple(consts.values())))
+
+
+@contextlib.contextmanager
+def recording():
+    """Collect (compiled kernel, grid, args, constexpr values) of every CUDA launch made
+    through :func:`launch` in this thread inside the block; yields the list."""
+    launches: list = []
+    _RECORDING.launches = launches
+    try:
+        yield launches
+    finally:
+        _RECORDING.launches = None
+
+
+class Replay:
+    """Recorded launches, issued again with new base tensors.
+
+    Each tensor argument of a recorded launch is stored as (base index, byte offset) into
+    the ``bases`` it was recorded with, so a replay with new bases of the same shapes and
+    16-byte alignment gives the same launches on the new data. :meth:`build` returns None
+    when an argument lies in none of the bases (the launches cannot be replayed).
+    """
+
+    def __init__(self, steps: list) -> None:
+        self.steps = steps
+
+    @staticmethod
+    def _locate(t: torch.Tensor, bases: tuple[torch.Tensor, ...]) -> tuple[int, int] | None:
+        p = t.data_ptr()
+        for i, b in enumerate(bases):
+            start = b.data_ptr()
+            if start <= p < start + b.numel() * b.element_size():
+                return i, p - start
+        return None
+
+    @classmethod
+    def build(cls, launches: list, bases: tuple[torch.Tensor, ...]) -> Replay | None:
+        steps = []
+        for compiled, grid, args, consts in launches:
+            values, slots = [], []
+            for j, a in enumerate(args):
+                if isinstance(a, torch.Tensor):
+                    where = cls._locate(a, bases)
+                    if where is None:
+                        return None
+                    slots.append((j, *where))
+                    values.append(0)
+                else:
+                    values.append(a)
+            run = compiled.run
+            steps.append((run, compiled.function, compiled.packed_metadata, grid, values, slots))
+            steps[-1][4].extend(consts)
+        return cls(steps)
+
+    def __call__(self, addresses: tuple[int, ...], device_index: int) -> None:
+        """Issue the launches on the current stream, base i at ``addresses[i]`` (the caller
+        keeps the bases' shapes and 16-byte alignment as recorded)."""
+        stream = _current_stream(device_index)
+        enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+        for run, function, metadata, grid, values, slots in self.steps:
+            values = list(values)
+            for j, base, offset in slots:
+                values[j] = addresses[base] + offset
+            run(grid, 1, 1, stream, function, metadata, None, enter, leave, *values)

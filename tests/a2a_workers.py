@@ -156,6 +156,47 @@ def exact_large(rank, world, backend, seed):
         assert torch.equal(x.grad.cpu(), want_grad), chunks
 
 
+def repeated_calls(rank, world, backend, seed):
+    """The same shapes and splits, called again and again on new data (on CUDA the second
+    call records the launches and later calls replay them): every forward and backward
+    exact; the kept rows' round trip included (K = 1024, a diagonal above
+    KEEP_LOCAL_MIN_ELEMENTS); then x as a view 2 bytes off 16-byte alignment (its own
+    plan)."""
+    from mxfp8_a2a import _config
+    from mxfp8_a2a._exchange import _PLANS
+
+    dev = device_for(backend)
+    k = 1024
+    g = torch.Generator().manual_seed(seed)
+    s = torch.randint(0, 300, (world, world), generator=g)
+    s.fill_diagonal_(_config.KEEP_LOCAL_MIN_ELEMENTS // k + 5)
+    s = s.tolist()
+    in_splits, out_splits = s[rank], [s[src][rank] for src in range(world)]
+    t = [[s[d][r] for d in range(world)] for r in range(world)]
+    for call in range(5):
+        step = seed + 100 * call
+
+        def make_x(src, step=step):
+            return rank_input(src, sum(s[src]), k, torch.bfloat16, step, dev)
+
+        def make_g(dst, step=step):
+            rows = sum(s[i][dst] for i in range(world))
+            return rank_input(dst, rows, k, torch.bfloat16, step + 7, dev)
+
+        x = make_x(rank)
+        if call == 4:  # a view whose rows start 2 bytes past a 16-byte boundary
+            wide = torch.empty(x.shape[0], k + 1, dtype=x.dtype, device=dev)
+            wide[:, 1:] = x
+            x = wide[:, 1:]
+        x.requires_grad_(True)
+        out = mx.to_mxfp8_a2a_dequant(x, out_splits, in_splits)
+        assert torch.equal(out.detach().cpu(), expected_rows(rank, s, make_x)), call
+        out.backward(make_g(rank))
+        assert torch.equal(x.grad.cpu(), expected_rows(rank, t, make_g)), call
+    if dev.type == "cuda":
+        assert len(_PLANS) >= 2, "forward and backward plans were recorded"
+
+
 def routing(rank, world, backend, seed):
     """Rows encode (source, destination, index) exactly in e4m3; every row lands right."""
     dev = device_for(backend)

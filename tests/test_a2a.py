@@ -14,6 +14,7 @@ from a2a_workers import (
     exact_large,
     graph_capture,
     memory_flat,
+    repeated_calls,
     routing,
     sqnr_vs_bf16,
 )
@@ -66,6 +67,11 @@ def test_exact_forward_backward(backend):
 @pytest.mark.parametrize("backend", BACKENDS[1:])
 def test_exact_large_messages(backend):
     run_distributed(exact_large, _worlds(backend)[0], backend, _seed(), backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_repeated_calls_exact(backend):
+    run_distributed(repeated_calls, _worlds(backend)[0], backend, _seed(), backend=backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

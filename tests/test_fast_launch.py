@@ -2,7 +2,7 @@
 
 import torch
 
-from mxfp8_a2a._fast_launch import _arg_key, _keys_and_values
+from mxfp8_a2a._fast_launch import Replay, _arg_key, _keys_and_values
 
 
 def test_tensor_key_holds_dtype_and_16_byte_alignment():
@@ -34,3 +34,12 @@ def test_keys_and_values_key_like_arg_key_and_pass_addresses():
     keys, values = _keys_and_values(args)
     assert keys == [_arg_key(a) for a in args]
     assert values == [x.data_ptr(), x[3:].data_ptr(), 7, 1, 2**31, None]
+
+
+def test_replay_locates_arguments_in_their_bases():
+    a = torch.zeros(64, dtype=torch.uint8)
+    b = torch.zeros(8, 16, dtype=torch.bfloat16)
+    assert Replay._locate(a, (a, b)) == (0, 0)
+    assert Replay._locate(a[5:], (a, b)) == (0, 5)
+    assert Replay._locate(b[2:, 3:], (a, b)) == (1, (2 * 16 + 3) * 2)
+    assert Replay._locate(torch.zeros(4), (a, b)) is None
