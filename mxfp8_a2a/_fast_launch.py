@@ -175,9 +175,9 @@ class Replay:
                     values.append(0)
                 else:
                     values.append(a)
-            run = compiled.run
-            steps.append((run, compiled.function, compiled.packed_metadata, grid, values, slots))
-            steps[-1][4].extend(consts)
+            values.extend(consts)  # the C launcher takes the constexprs too, and skips them
+            steps.append((compiled.run, compiled.function, compiled.packed_metadata, grid))
+            steps[-1] += (values, slots)
         return cls(steps)
 
     def __call__(self, addresses: tuple[int, ...], device_index: int) -> None:
