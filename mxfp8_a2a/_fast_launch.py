@@ -176,8 +176,8 @@ class Replay:
                 else:
                     values.append(a)
             values.extend(consts)  # the C launcher takes the constexprs too, and skips them
-            steps.append((compiled.run, compiled.function, compiled.packed_metadata, grid))
-            steps[-1] += (values, slots)
+            meta = compiled.packed_metadata
+            steps.append((compiled.run, compiled.function, meta, grid, values, slots))
         return cls(steps)
 
     def __call__(self, addresses: tuple[int, ...], device_index: int) -> None:
