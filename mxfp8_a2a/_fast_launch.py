@@ -145,8 +145,9 @@ class Replay:
 
     Each tensor argument of a recorded launch is stored as (base index, byte offset) into
     the ``bases`` it was recorded with, so a replay with new bases of the same shapes and
-    16-byte alignment gives the same launches on the new data. :meth:`build` returns None
-    when an argument lies in none of the bases (the launches cannot be replayed).
+    16-byte alignment gives the same launches on the new data; an empty tensor keeps its
+    recorded address (no kernel touches it). :meth:`build` returns None when a non-empty
+    argument lies in none of the bases (the launches cannot be replayed).
     """
 
     def __init__(self, steps: list) -> None:
@@ -167,7 +168,9 @@ class Replay:
         for compiled, grid, args, consts in launches:
             values, slots = [], []
             for j, a in enumerate(args):
-                if isinstance(a, torch.Tensor):
+                if isinstance(a, torch.Tensor) and a.numel() == 0:
+                    values.append(a.data_ptr())  # nothing read or written there
+                elif isinstance(a, torch.Tensor):
                     where = cls._locate(a, bases)
                     if where is None:
                         return None

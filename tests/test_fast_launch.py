@@ -1,5 +1,7 @@
 """The launch cache keys on everything Triton specializes a kernel on (no GPU needed)."""
 
+from types import SimpleNamespace
+
 import torch
 
 from mxfp8_a2a._fast_launch import Replay, _arg_key, _keys_and_values
@@ -43,3 +45,12 @@ def test_replay_locates_arguments_in_their_bases():
     assert Replay._locate(a[5:], (a, b)) == (0, 5)
     assert Replay._locate(b[2:, 3:], (a, b)) == (1, (2 * 16 + 3) * 2)
     assert Replay._locate(torch.zeros(4), (a, b)) is None
+
+
+def test_replay_build_rebases_tensors_and_keeps_empty_ones():
+    compiled = SimpleNamespace(run=print, function=1, packed_metadata=2)
+    a = torch.zeros(64, dtype=torch.uint8)
+    empty = torch.empty(0, 16, dtype=torch.uint8)
+    replay = Replay.build([(compiled, 3, (a[8:], empty, 5), (4,))], (a,))
+    assert replay.steps == [(print, 1, 2, 3, [0, empty.data_ptr(), 5, 4], [(0, 0, 8)])]
+    assert Replay.build([(compiled, 3, (torch.zeros(2),), ())], (a,)) is None
