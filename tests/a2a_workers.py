@@ -194,7 +194,7 @@ def repeated_calls(rank, world, backend, seed):
         out.backward(make_g(rank))
         assert torch.equal(x.grad.cpu(), expected_rows(rank, t, make_g)), call
     if dev.type == "cuda":
-        assert len(_PLANS) >= 2, "forward and backward plans were recorded"
+        assert _PLANS, "plans were recorded (forward and backward share one when symmetric)"
 
 
 def routing(rank, world, backend, seed):
