@@ -159,18 +159,24 @@ def exact_large(rank, world, backend, seed):
 def repeated_calls(rank, world, backend, seed):
     """The same shapes and splits, called again and again on new data (on CUDA the second
     call records the launches and later calls replay them): every forward and backward
-    exact; the kept rows' round trip included (K = 1024, a diagonal above
-    KEEP_LOCAL_MIN_ELEMENTS); then x as a view 2 bytes off 16-byte alignment (its own
-    plan)."""
+    exact; K = 1024, the rows a rank sends itself first above KEEP_LOCAL_MIN_ELEMENTS (kept
+    off the wire, round trip), then a few (on the wire, also for a group of one rank); the
+    fifth call takes x as a view 2 bytes off 16-byte alignment (its own plan)."""
     from mxfp8_a2a import _config
     from mxfp8_a2a._exchange import _PLANS
 
     dev = device_for(backend)
     k = 1024
     g = torch.Generator().manual_seed(seed)
-    s = torch.randint(0, 300, (world, world), generator=g)
-    s.fill_diagonal_(_config.KEEP_LOCAL_MIN_ELEMENTS // k + 5)
-    s = s.tolist()
+    for diagonal in (_config.KEEP_LOCAL_MIN_ELEMENTS // k + 5, 3):
+        s = torch.randint(0, 300, (world, world), generator=g)
+        s.fill_diagonal_(diagonal)
+        _repeat(rank, world, s.tolist(), k, seed + diagonal, dev)
+    if dev.type == "cuda":
+        assert len(_PLANS) >= 2, "plans were recorded (one per diagonal at least)"
+
+
+def _repeat(rank, world, s, k, seed, dev):
     in_splits, out_splits = s[rank], [s[src][rank] for src in range(world)]
     t = [[s[d][r] for d in range(world)] for r in range(world)]
     for call in range(5):
@@ -193,8 +199,6 @@ def repeated_calls(rank, world, backend, seed):
         assert torch.equal(out.detach().cpu(), expected_rows(rank, s, make_x)), call
         out.backward(make_g(rank))
         assert torch.equal(x.grad.cpu(), expected_rows(rank, t, make_g)), call
-    if dev.type == "cuda":
-        assert _PLANS, "plans were recorded (forward and backward share one when symmetric)"
 
 
 def routing(rank, world, backend, seed):
