@@ -81,13 +81,23 @@ def _cast_programs(device: torch.device) -> int | None:
     return max(sm_count(device) - _config.BESIDE_COMM_FREE_SMS, 1)
 
 
-def _all_to_all(out, inp, out_splits, in_splits, group) -> dist.Work:
-    """Asynchronous all_to_all_single through the process group itself: the Python wrapper
-    (argument checks, logging) costs host time that small exchanges cannot spare."""
+def _all_to_all(out, inp, out_splits, in_splits, group, async_op: bool) -> dist.Work | None:
+    """all_to_all_single through the process group itself: the Python wrapper (argument
+    checks, logging) costs host time that small exchanges cannot spare.
+
+    async_op=True returns the Work to wait on (NCCL runs it on its own stream, so casts can
+    run beside it); False returns None, the collective ordered on the caller's stream (NCCL
+    in torch >= 2.8 then launches it there, skipping two cross-stream events and the
+    tensors' stashing: less host and GPU latency when nothing runs beside it)."""
     pg = group if group is not None else dist.group.WORLD
     opts = dist.AllToAllOptions()
-    opts.asyncOp = True
-    return pg.alltoall_base(out, inp, out_splits, in_splits, opts)
+    opts.asyncOp = async_op
+    work = pg.alltoall_base(out, inp, out_splits, in_splits, opts)
+    if async_op:
+        return work
+    if work is not None:  # what all_to_all_single does for a synchronous call
+        work.wait()
+    return None
 
 
 def keeps_local(n: int, k: int, device: torch.device) -> bool:
@@ -127,8 +137,8 @@ class _Plan:
     beside it (the kept rows' round trip) and after it (dequantize), as Replays on the
     bases (x, out, send, recv)."""
 
-    def __init__(self, shapes, splits, phases) -> None:
-        self.shapes, self.splits, self.phases = shapes, splits, phases
+    def __init__(self, shapes, splits, phases, async_op: bool) -> None:
+        self.shapes, self.splits, self.phases, self.async_op = shapes, splits, phases, async_op
 
     def __call__(self, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor | None:
         """The exchange of x, or None (nothing launched) when a fresh buffer is not 16-byte
@@ -143,9 +153,10 @@ class _Plan:
         quantize, beside, dequantize = self.phases
         index = x.device.index
         quantize(addresses, index)
-        work = _all_to_all(recv, send, *self.splits, group)
+        work = _all_to_all(recv, send, *self.splits, group, self.async_op)
         beside(addresses, index)
-        work.wait()
+        if work is not None:
+            work.wait()
         dequantize(addresses, index)
         return out
 
@@ -211,6 +222,8 @@ def exchange_columns(
     send = torch.empty((n_send, wire), dtype=torch.uint8, device=x.device)
     recv = torch.empty((n_recv, wire), dtype=torch.uint8, device=x.device)
     beside = _cast_programs(x.device)
+    # the collective runs asynchronously only when casts run beside it
+    async_op = len(cuts) > 1 or n > 0
 
     def columns(t: torch.Tensor, c0: int, w: int) -> torch.Tensor:
         return t if w == t.shape[1] else t[:, c0 : c0 + w]
@@ -230,13 +243,15 @@ def exchange_columns(
             s, r = piece(send, at_s, n_send, row), piece(recv, at_r, n_recv, row)
             at_s, at_r = at_s + n_send * row, at_r + n_recv * row
             _quantize_into(columns(x, c0, w), s, mode, (x_at, n), None if i == 0 else beside)
-            pieces.append((_all_to_all(r, s, recv_splits, send_splits, group), r, c0, w))
+            work = _all_to_all(r, s, recv_splits, send_splits, group, async_op)
+            pieces.append((work, r, c0, w))
     with phase() as kept:
         if n:
             _roundtrip_into(x[x_at : x_at + n], out[o_at : o_at + n], mode, beside)
     with phase() as dequantized:
         for i, (work, r, c0, w) in enumerate(pieces):
-            work.wait()
+            if work is not None:
+                work.wait()
             last = i == len(pieces) - 1
             _dequantize_into(r, columns(out, c0, w), (o_at, n), None if last else beside)
     if record:
@@ -246,5 +261,5 @@ def exchange_columns(
             if len(_PLANS) >= _config.PLAN_CACHE_SIZE:
                 _PLANS.clear()
             shapes = (tuple(out.shape), tuple(send.shape), tuple(recv.shape))
-            _PLANS[key] = _Plan(shapes, (recv_splits, send_splits), phases)
+            _PLANS[key] = _Plan(shapes, (recv_splits, send_splits), phases, async_op)
     return out
