@@ -395,16 +395,10 @@ def compiled(rank, world, backend):
     assert torch.equal(xa.grad, xb.grad)
 
 
-def graph_capture(rank, world, backend, seed):
-    """Forward and forward+backward captured in CUDA graphs: a replay on new data matches
-    the eager call bit for bit (uneven splits, kept rows large enough to take the round-trip
-    path, 2 pieces); calls that would synchronize raise a clear error under capture."""
-    import pytest
-
-    g = torch.Generator().manual_seed(seed + rank)
+def _graph_replays(rank, world, g, kept):
     k = 1024
     in_splits = [int(v) for v in torch.randint(0, 600, (world,), generator=g)]
-    in_splits[rank] = 4200  # 4200 * 1024 elements: over KEEP_LOCAL_MIN_ELEMENTS
+    in_splits[rank] = kept
     out_splits = mx.compute_output_splits(in_splits)
     x = torch.empty(sum(in_splits), k, device="cuda", dtype=torch.bfloat16)
     xg = torch.empty_like(x, requires_grad=True)
@@ -432,9 +426,23 @@ def graph_capture(rank, world, backend, seed):
         graph_f.replay()
         graph_b.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out, fwd())
+        assert torch.equal(out, fwd()), kept
         y_eager, gx_eager = fwd_bwd()
-        assert torch.equal(y, y_eager) and torch.equal(gx, gx_eager)
+        assert torch.equal(y, y_eager) and torch.equal(gx, gx_eager), kept
+    return x, in_splits, out_splits
+
+
+def graph_capture(rank, world, backend, seed):
+    """Forward and forward+backward captured in CUDA graphs: a replay on new data matches
+    the eager call bit for bit (uneven splits; the rows a rank sends itself first many
+    enough to take the round-trip path, beside an asynchronous collective, then few, on the
+    wire, the one-piece collective then on the caller's stream; the forward in 2 pieces);
+    calls that would synchronize raise a clear error under capture."""
+    import pytest
+
+    g = torch.Generator().manual_seed(seed + rank)
+    for kept in (4200, 3):  # 4200 * 1024 elements: over KEEP_LOCAL_MIN_ELEMENTS
+        x, in_splits, out_splits = _graph_replays(rank, world, g, kept)
     for bad, match in (
         (dict(chunks=None), "chunks=<int>"),
         (dict(validate=True), "validate=False"),
