@@ -338,4 +338,6 @@ def to_mxfp8_a2a_dequant(
     if chunks is None:
         rows = max(sum(out_splits), sum(in_splits))
         chunks = 1 if torch.compiler.is_compiling() else agreed_chunks(rows, x.shape[1], group)
+    if not (torch.is_grad_enabled() and x.requires_grad):  # no graph to record
+        return _exchange(x, out_splits, in_splits, group, scaling_mode, chunks, transport)
     return _MXFP8AllToAll.apply(x, out_splits, in_splits, group, scaling_mode, chunks, transport)
