@@ -204,11 +204,13 @@ def exchange_columns(
         out = plan(x, group)
         if out is not None:
             return out
-    record = key is not None and plan is None and key in _SEEN
-    if key is not None and plan is None and not record:
-        if len(_SEEN) >= _config.PLAN_CACHE_SIZE * 4:
-            _SEEN.clear()
-        _SEEN.add(key)
+    record = False
+    if key is not None and plan is None:
+        record = key in _SEEN  # the second call with a key records its launches
+        if not record:
+            if len(_SEEN) >= _config.PLAN_CACHE_SIZE * 4:
+                _SEEN.clear()
+            _SEEN.add(key)
     x_at, o_at = sum(input_splits[:rank]), sum(output_splits[:rank])
     n = input_splits[rank] if keeps_local(input_splits[rank], x.shape[1], x.device) else 0
     out = x.new_empty((sum(output_splits), x.shape[1]))
