@@ -9,9 +9,12 @@ Each timed iteration: barrier, device sync, then CUDA events (host clock on CPU)
 exactly what a training step calls. The median over --iters iterations after warm-up is
 taken per rank, then the max over ranks. Shapes are TOKENSxDIM per rank.
 
-Columns: algbw = logical bf16 bytes each rank sends (tokens x dim x 2) / time; busbw =
-algbw * (n-1)/n (nccl-tests all-to-all definitions); the mxfp8 phases are quantize,
-exchange (the packed uint8 all_to_all_single) and dequantize, each timed alone.
+Columns: algbw = logical bf16 bytes each rank sends (tokens x dim x 2) / time, in GB/s;
+busbw = algbw * (n-1)/n (nccl-tests all-to-all definitions); SQNR of the forward output and
+of the gradient against the bf16 exchange, in dB; the mxfp8 phases are quantize, exchange
+(the packed uint8 all_to_all_single) and dequantize, each timed alone.
+--transport picks the MXFP8 transports compared: nccl (default), copy_engine (automatic row
+ranges) or copy_engine:R (R row ranges); repeat to compare.
 
 Environment: NCCL_P2P_DISABLE=1 makes NCCL go through host memory on one host, a stand-in
 for an inter-node link. MXFP8_A2A_VALIDATE=1 turns on the split check (one extra small
@@ -30,10 +33,9 @@ from common import Progress, Timer, parse_shape, versions, write_json
 from tabulate import tabulate
 
 import mxfp8_a2a as mx
-from mxfp8_a2a import _config
-from mxfp8_a2a._launch import capture_graph, init_from_torchrun
-from mxfp8_a2a.dequantize import dequantize_packed
-from mxfp8_a2a.quantize import quantize_packed
+from mxfp8_a2a._torchrun import capture_graph, init_from_torchrun
+from mxfp8_a2a.formats.dequantize import dequantize_packed
+from mxfp8_a2a.formats.quantize import quantize_packed
 
 GPU_SHAPES = [f"{t}x5120" for t in (256, 2048, 8192, 16384, 32768, 65536, 131072)] + ["16384x7168"]
 CPU_SHAPES = ["256x512"]
@@ -106,29 +108,17 @@ def time_graphed(name, f, x, grad, timer) -> dict:
     return res
 
 
-def _how(setting: int | str | None) -> dict:
-    """to_mxfp8_a2a_dequant's arguments for a parsed --chunks value: an int or None
-    ("auto"), or "ce:C" (transport="copy_engine", C row ranges, an int or "auto")."""
-    if isinstance(setting, str):
-        c = setting.split(":")[1]
-        return dict(transport="copy_engine", chunks=None if c == "auto" else int(c))
-    return dict(chunks=setting)
+def transport_for(text: str, group=None):
+    """The transport argument for a --transport value."""
+    if text == "nccl":
+        return "nccl"
+    name, _, ranges = text.partition(":")
+    if name != "copy_engine":
+        raise SystemExit(f"--transport must be nccl, copy_engine or copy_engine:R, got {text!r}")
+    return mx.CopyEngineTransport(group, row_ranges=int(ranges) if ranges else None)
 
 
-def _setting(text: str) -> int | str | None:
-    if text == "auto":
-        return None
-    if text.startswith("ce:"):
-        return text
-    return int(text)
-
-
-def chunk_arguments(text: str) -> dict:
-    """to_mxfp8_a2a_dequant's arguments for one --chunks value as typed."""
-    return _how(_setting(text))
-
-
-def bench_shape(tokens, dim, kind, timer, device, mode, chunk_settings, graphs=False):
+def bench_shape(tokens, dim, kind, timer, device, mode, transports, graphs=False):
     world, rank = dist.get_world_size(), dist.get_rank()
     in_splits = make_splits(tokens, world, rank, kind)
     out_splits = mx.compute_output_splits(in_splits)
@@ -138,94 +128,69 @@ def bench_shape(tokens, dim, kind, timer, device, mode, chunk_settings, graphs=F
     def bf16(x_):
         return _Bf16AllToAll.apply(x_, out_splits, in_splits)
 
-    def mxfp8(chunks):
-        how = _how(chunks)
+    def mxfp8(transport):
         return lambda x_: mx.to_mxfp8_a2a_dequant(
-            x_, out_splits, in_splits, scaling_mode=mode, **how
+            x_, out_splits, in_splits, scaling_mode=mode, transport=transport
         )
 
     res = time_directions("bf16", bf16, x, grad, timer)
-    for chunks in chunk_settings:
-        res.update(time_directions(f"mxfp8 c={chunks or 'auto'}", mxfp8(chunks), x, grad, timer))
+    for label, transport in transports.items():
+        res.update(time_directions(f"mxfp8 {label}", mxfp8(transport), x, grad, timer))
     if graphs:
         res |= time_graphed("bf16", bf16, x, grad, timer)
-        for chunks in graph_chunks(chunk_settings):
-            res |= time_graphed(f"mxfp8 c={chunks}", mxfp8(chunks), x, grad, timer)
+        res |= time_graphed("mxfp8 nccl", mxfp8("nccl"), x, grad, timer)
     packed = quantize_packed(x, scaling_mode=mode)
     recv = packed.new_empty((sum(out_splits), packed.shape[1]))
     res["quant"] = timer(lambda _: quantize_packed(x, scaling_mode=mode))
     res["exchange"] = timer(lambda _: dist.all_to_all_single(recv, packed, out_splits, in_splits))
     res["dequant"] = timer(lambda _: dequantize_packed(recv))
     with torch.no_grad():
-        res["sqnr_db"] = sqnr_db(bf16(x), mx.to_mxfp8_a2a_dequant(x, out_splits, in_splits))
+        res["sqnr_fwd_db"] = sqnr_db(bf16(x), mx.to_mxfp8_a2a_dequant(x, out_splits, in_splits))
+        # the backward exchange: the gradient goes the other way, with the splits swapped
+        back = mx.to_mxfp8_a2a_dequant(grad, in_splits, out_splits)
+        res["sqnr_bwd_db"] = sqnr_db(_Bf16AllToAll.apply(grad, in_splits, out_splits), back)
     res["bytes_per_rank_bf16"] = tokens * dim * 2
     res["bytes_per_rank_mxfp8"] = tokens * mx.packed_row_bytes(dim)
     return res
 
 
-def table_rows(shape: str, kind: str, r: dict, world: int, chunk_settings) -> list[list]:
+def table_rows(shape: str, kind: str, r: dict, world: int, labels) -> list[list]:
     rows = []
-    for chunks in chunk_settings:
-        label = chunks or "auto"
+    for label in labels:
         for phase, factor in (("fwd", 1), ("bwd", 1), ("fwd+bwd", 2)):
-            b, m = r[f"bf16 {phase}"], r[f"mxfp8 c={label} {phase}"]
+            b, m = r[f"bf16 {phase}"], r[f"mxfp8 {label} {phase}"]
             nbytes = r["bytes_per_rank_bf16"] * factor
             algbw_b, algbw_m = nbytes / b / 1e6, nbytes / m / 1e6
             bus = (world - 1) / world
+            sqnr = r["sqnr_bwd_db"] if phase == "bwd" else r["sqnr_fwd_db"]
+            if phase == "fwd+bwd":
+                sqnr = min(r["sqnr_fwd_db"], r["sqnr_bwd_db"])
             rows.append(
-                [
-                    shape,
-                    kind,
-                    label,
-                    phase,
-                    b,
-                    m,
-                    b / m,
-                    algbw_b,
-                    algbw_b * bus,
-                    algbw_m,
-                    algbw_m * bus,
-                    r["sqnr_db"],
-                ]
-            )
+                [shape, kind, label, phase, b, m, b / m, algbw_b, algbw_b * bus, algbw_m,
+                 algbw_m * bus, sqnr]
+            )  # fmt: skip
     return rows
 
 
-GRAPH_HEADERS = ["shape", "chunks", "dir", "bf16", "bf16 graph", "mxfp8 graph", "vs bf16"]
+GRAPH_HEADERS = ["shape", "dir", "bf16 ms", "bf16 graph ms", "mxfp8 graph ms", "vs bf16"]
 GRAPH_HEADERS += ["vs bf16 graph"]
 
 
-def graph_chunks(chunk_settings) -> list[int]:
-    """The chunk counts timed under graphs: the fixed ones ("auto" reads the sizes on the
-    host, which a capture cannot)."""
-    return [c for c in chunk_settings if isinstance(c, int)] or [1]
-
-
-def graph_rows(results: dict, chunk_settings) -> list[list]:
+def graph_rows(results: dict) -> list[list]:
     rows = []
     for shape, r in results.items():
-        for chunks in graph_chunks(chunk_settings):
-            for phase in ("fwd", "fwd+bwd"):
-                b, bg = r[f"bf16 {phase}"], r[f"bf16 graph {phase}"]
-                mg = r[f"mxfp8 c={chunks} graph {phase}"]
-                rows.append([shape, chunks, phase, b, bg, mg, b / mg, bg / mg])
+        for phase in ("fwd", "fwd+bwd"):
+            b, bg = r[f"bf16 {phase}"], r[f"bf16 graph {phase}"]
+            mg = r[f"mxfp8 nccl graph {phase}"]
+            rows.append([shape, phase, b, bg, mg, b / mg, bg / mg])
     return rows
 
 
 HEADERS = [
-    "shape",
-    "splits",
-    "chunks",
-    "dir",
-    "bf16 ms",
-    "mxfp8 ms",
-    "speedup",
-    "bf16 algbw",
-    "bf16 busbw",
-    "mxfp8 algbw*",
-    "mxfp8 busbw*",
+    "shape", "splits", "transport", "dir", "bf16 ms", "mxfp8 ms", "speedup",
+    "bf16 algbw GB/s", "bf16 busbw GB/s", "mxfp8 algbw* GB/s", "mxfp8 busbw* GB/s",
     "SQNR dB",
-]
+]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -237,23 +202,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--iters", type=int, default=20, help="timed iterations (median; default 20)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument(
-        "--chunks",
+        "--transport",
         action="append",
-        help="mxfp8 chunks per rank pair: an int (default 1: one all_to_all_single), 'auto'"
-        " (pipelined) or 'ce:C' (transport='copy_engine' in C row ranges, C an int or 'auto';"
-        " CUDA only); repeat to compare",
+        help="MXFP8 transport: nccl (default), copy_engine or copy_engine:R (R row ranges;"
+        " two ranks on CUDA GPUs); repeat to compare",
     )
     p.add_argument("--scaling-mode", choices=["rceil", "floor"], default="rceil")
     p.add_argument(
         "--graphs",
         action="store_true",
-        help="also time bf16 and mxfp8 (each fixed --chunks value) captured in CUDA graphs"
-        " (CUDA only)",
-    )
-    p.add_argument(
-        "--beside",
-        help="tuning: FREE_SMS,BLOCK_G,NUM_WARPS of the casts beside a collective"
-        " (BESIDE_COMM_* in _config.py)",
+        help="also time bf16 and mxfp8 (nccl) captured in CUDA graphs (CUDA only)",
     )
     p.add_argument("--json", help="write all numbers to this JSON file (rank 0)")
     p.add_argument("--plot", help="write a PNG of speedup vs tokens (needs matplotlib)")
@@ -264,39 +222,34 @@ def main(argv: list[str] | None = None) -> None:
         except ImportError:
             p.error("--plot needs matplotlib: pip install matplotlib (or 'mxfp8_a2a[plot]')")
 
-    if args.beside:
-        free, block_g, warps = (int(v) for v in args.beside.split(","))
-        _config.BESIDE_COMM_FREE_SMS, _config.BESIDE_COMM_BLOCK_G = free, block_g
-        _config.BESIDE_COMM_NUM_WARPS = warps
     device = init_from_torchrun()
     cuda = device.type == "cuda"
     rank, world = dist.get_rank(), dist.get_world_size()
     shapes = args.shape or (GPU_SHAPES if cuda else CPU_SHAPES)
     timer = Timer(device, args.iters, args.warmup)
-    chunk_settings = [_setting(c) for c in (args.chunks or ["1"])]
+    transports = {t: transport_for(t) for t in (args.transport or ["nccl"])}
     info = versions() | {
         "world_size": world,
         "splits": args.splits,
         "scaling_mode": args.scaling_mode,
     }
     info["NCCL_P2P_DISABLE"] = os.environ.get("NCCL_P2P_DISABLE", "0")
-    info["chunks"] = [c or "auto" for c in chunk_settings]
+    info["transports"] = list(transports)
     info["graphs"] = bool(args.graphs and cuda)
-    info["beside"] = (
-        f"{_config.BESIDE_COMM_FREE_SMS},{_config.BESIDE_COMM_BLOCK_G},{_config.BESIDE_COMM_NUM_WARPS}"
-    )
     progress = Progress(len(shapes), enabled=rank == 0)
     results, rows = {}, []
     for text in shapes:
         tokens, dim = parse_shape(text)
         r = bench_shape(
-            tokens, dim, args.splits, timer, device, args.scaling_mode, chunk_settings,
+            tokens, dim, args.splits, timer, device, args.scaling_mode, transports,
             args.graphs and cuda,
         )  # fmt: skip
         results[text] = r
-        rows += table_rows(text, args.splits, r, world, chunk_settings)
+        rows += table_rows(text, args.splits, r, world, transports)
         progress.step(text)
     if rank == 0:
+        if not cuda:
+            print("CPU/gloo run: these timings say nothing about GPUs (a smoke test only).")
         print(" ".join(f"{k}={v}" for k, v in info.items()))
         print(tabulate(rows, headers=HEADERS, floatfmt=".3f"))
         phases = [
@@ -313,11 +266,14 @@ def main(argv: list[str] | None = None) -> None:
         print("* mxfp8 GB/s count the logical bf16 bytes, so they compare directly with bf16's.")
         if args.graphs and cuda:
             print("\nCUDA graph replays (ms; speedup of mxfp8 graph over eager and graphed bf16):")
-            graphed = graph_rows(results, chunk_settings)
+            graphed = graph_rows(results)
             print(tabulate(graphed, headers=GRAPH_HEADERS, floatfmt=".3f"))
         write_json(args.json, {"info": info, "results": results})
         if args.plot:
             plot(results, info, args.plot)
+    for t in transports.values():
+        if isinstance(t, mx.CopyEngineTransport):
+            t.close()
     dist.destroy_process_group()
 
 
@@ -331,8 +287,8 @@ def plot(results: dict, info: dict, path: str) -> None:
     items = sorted(((parse_shape(s), r) for s, r in results.items()), key=lambda t: t[0])
     for phase in ("fwd", "bwd", "fwd+bwd"):
         xs = [t for (t, _), _ in items]
-        label = info["chunks"][0]
-        ys = [r[f"bf16 {phase}"] / r[f"mxfp8 c={label} {phase}"] for _, r in items]
+        label = info["transports"][0]
+        ys = [r[f"bf16 {phase}"] / r[f"mxfp8 {label} {phase}"] for _, r in items]
         ax.plot(xs, ys, marker="o", label=phase)
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xscale("log", base=2)

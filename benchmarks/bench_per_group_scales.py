@@ -20,7 +20,7 @@ from common import do_bench_ms, versions, warm_gpu, write_json
 from tabulate import tabulate
 
 from mxfp8_a2a import _config, per_group_colwise_scales, per_group_rowwise_scales
-from mxfp8_a2a.per_group_scales import per_group_colwise_reference, per_group_rowwise_reference
+from mxfp8_a2a.grouped.reference import per_group_colwise_reference, per_group_rowwise_reference
 
 N, M = 16640, 8192
 FAST = dict(validate=False)  # no host read of offs: the kernels alone

@@ -18,31 +18,22 @@ ROUNDTRIP_NUM_WARPS = 4
 
 INTERPRET_BLOCK_G = 16
 
-# The exchange (mxfp8_a2a/_exchange.py). Rows a rank sends itself skip the wire (one
-# round-trip kernel, overlapped with the collective) from this many elements up; below it
-# the extra launch (~15-20 us of host time) costs more than the GPU time it saves.
+# The NCCL transport (mxfp8_a2a/exchange/nccl.py). Rows a rank sends itself skip the wire
+# (one round-trip kernel, overlapped with the collective) from this many elements up; below
+# it the extra launch (~15-20 us of host time) costs more than the GPU time it saves.
 KEEP_LOCAL_MIN_ELEMENTS = 4 << 20
-# Casts that run beside communication kernels (the kept rows' round trip, the column
-# pieces' casts) must leave whole SMs free for NCCL: a NCCL block takes (nearly) a whole SM's
-# registers, so it cannot start on an SM where any cast program is resident. Measured on
-# 2x H200, 131072x5120 (torch.profiler timeline, BENCHMARKS.md): with a full grid, with
-# 2 programs/SM of 256 blocks and with 4 programs/SM of 64 blocks alike, the NCCL kernel
-# started only as the round trip's programs retired. So the casts beside a collective run
-# one program per SM on all but BESIDE_COMM_FREE_SMS of them, each program large enough to
-# keep that SM's memory pipe busy: scripts/tune_beside.py on an H200 (100 programs): 1024
-# blocks and 32 warps moved 2.8-3.0 TB/s (quantize, round trip), 256 blocks and 8 warps
-# 1.4-2.1 TB/s; 48 free SMs measured best of 32/48/64 in the exchange (bench_a2a --beside).
+# That round trip runs beside the collective and must leave whole SMs free for NCCL: a NCCL
+# block takes (nearly) a whole SM's registers, so it cannot start on an SM where any cast
+# program is resident. Measured on 2x H200, 131072x5120 (torch.profiler timeline, 2026-11-30):
+# with a full grid the NCCL kernel started only as the round trip's programs retired. So
+# the round trip runs one program per SM on all but BESIDE_COMM_FREE_SMS of them, each large
+# enough to keep its SM's memory pipe busy: on an H200 (100 programs) 1024 blocks and 32
+# warps moved 2.8-3.0 TB/s, 256 blocks and 8 warps 1.4-2.1 TB/s; 48 free SMs measured best of
+# 32/48/64 in the exchange (sweeps of 2026-11-30, in git history before the redesign).
 BESIDE_COMM_FREE_SMS = 48
 BESIDE_COMM_BLOCK_G = 1024
 BESIDE_COMM_NUM_WARPS = 32
-# Automatic column pieces of the exchange (chunks=None): about PIPELINE_CHUNK_BYTES of wire
-# bytes of the busiest rank per piece, at most PIPELINE_MAX_CHUNKS. On 2x H200 no measured
-# size gained from pieces (NVLink: 2 pieces tied 1 at 131072x5120 and 4 or 8 lost; through
-# host memory all counts tied; BENCHMARKS.md), so a piece is 1 GiB: one piece up to
-# ~200000 rows of 5120.
-PIPELINE_CHUNK_BYTES = 1 << 30
-PIPELINE_MAX_CHUNKS = 8
-# Automatic row ranges of the copy-engine exchange (transport="copy_engine", chunks=None):
+# Automatic row ranges of the copy-engine transport (CopyEngineTransport(row_ranges=None)):
 # about COPY_ENGINE_RANGE_BYTES of wire bytes per range for the busiest (sender, receiver)
 # pair, at most COPY_ENGINE_MAX_RANGES. bench_a2a.py on 2x H200 (NVLink, 5120 columns,
 # BENCHMARKS.md): 65536 tokens per rank (173 MB to the peer) and fewer ran best in one range,
@@ -50,7 +41,7 @@ PIPELINE_MAX_CHUNKS = 8
 COPY_ENGINE_RANGE_BYTES = 128 << 20
 COPY_ENGINE_MAX_RANGES = 2
 
-# Per-group FP8 scaling (mxfp8_a2a/per_group_scales.py), see the kernels' comments there.
+# Per-group FP8 scaling (mxfp8_a2a/grouped/), see the kernels' comments there.
 # Rowwise, row-block kernel: one program per work item (a block of rows, one group); the
 # launcher picks the block (a power of two) so that an item holds about ``item`` elements for a
 # group of average width. Tiles span the whole group along the columns (a power of two from
@@ -114,10 +105,3 @@ def per_group_tiling(group_dim: int, interpreted: bool) -> RowBlockTiling | Grou
     if interpreted:
         return INTERPRET_ROWWISE_TILING if group_dim == 1 else INTERPRET_COLWISE_TILING
     return ROWWISE_TILING if group_dim == 1 else COLWISE_TILING
-
-
-# One-piece CUDA exchanges recorded and replayed (_exchange._Plan): at most this many
-# (shape, splits, rank) plans are kept (all dropped when full; an MoE step whose splits
-# change every call never repeats a key, and records nothing: a key is recorded on its
-# second call). Each plan holds a few ints and kernel handles, no tensors.
-PLAN_CACHE_SIZE = 64

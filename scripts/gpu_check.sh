@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # On a GPU machine: GPU tests, tuning sweeps and benchmarks, logs in OUTDIR.
-#   [TESTS='tests/test_a2a.py ...'] scripts/gpu_check.sh OUTDIR [tests|tune|bench|cast|pergroup|exchange|all]...
+#   [TESTS='tests/test_a2a.py ...'] scripts/gpu_check.sh OUTDIR [tests|tune|bench|cast|pergroup|host|all]...
 # bench: the whole suite (scripts/run_benchmarks.sh); cast, pergroup: the one-GPU parts
-# (pergroup adds the per-group tiling sweep); exchange: host cost per step and the GPU
-# timeline of one exchange (2+ GPUs).
+# (pergroup adds the per-group tiling sweep); host: host time per exchange call.
 set -uo pipefail
 out=${1:?usage: scripts/gpu_check.sh OUTDIR [stage...]}
 shift
@@ -32,20 +31,14 @@ if has pergroup; then
   timeout 300 python3 "$here/scripts/tune_per_group.py" --json "$out/tune_per_group.json" > "$out/tune_per_group.txt" 2>&1
   tail -5 "$out/tune_per_group.txt"
 fi
-if has exchange; then
+if has host; then
+  # host time per exchange call (one rank per GPU), the cached launch and the public one
   n=$(python3 -c 'import torch; print(torch.cuda.device_count())')
-  timeout 150 torchrun --nproc-per-node="$n" "$here/scripts/host_cost.py" --shape 256x5120 \
-    --shape 8192x5120 2>&1 | grep -v '^W1' > "$out/host_cost.txt"
-  for s in 256x5120 8192x5120; do
-    timeout 90 torchrun --nproc-per-node="$n" "$here/scripts/host_trace.py" $s 2>&1 \
-      | grep -v '^W1' > "$out/host_trace_$s.txt"
+  for public in 0 1; do
+    MXFP8_A2A_PUBLIC_LAUNCH=$public timeout 150 torchrun --nproc-per-node="$n" \
+      "$here/benchmarks/bench_host_time.py" --shape 256x5120 --shape 8192x5120 \
+      --json "$out/host_time_public$public.json" 2>&1 | grep -v '^W1' | tee "$out/host_time_public$public.txt"
   done
-  for c in 1 4; do
-    timeout 90 torchrun --nproc-per-node="$n" "$here/scripts/profile_exchange.py" --shape 131072x5120 \
-      --chunks $c --out /tmp/profile_exchange 2>&1 | grep -v '^W1' > "$out/profile_c$c.txt"
-  done
-  grep -A16 "us per call" "$out/host_cost.txt"; cat "$out"/host_trace_*.txt
-  grep -A10 "GPU timeline" "$out"/profile_c*.txt
 fi
 if has bench; then
   timeout 400 "$here/scripts/run_benchmarks.sh" "$out" 2>&1 | grep -v '^W1' | tail -80

@@ -6,7 +6,6 @@ every other rank sent and check its own output bit for bit.
 
 from __future__ import annotations
 
-import contextlib
 import resource
 
 import torch
@@ -15,7 +14,7 @@ import torch.distributed._functional_collectives as funcol
 from helpers import sqnr_db
 
 import mxfp8_a2a as mx
-from mxfp8_a2a._launch import capture_graph
+from mxfp8_a2a._torchrun import capture_graph
 
 
 def device_for(backend: str) -> torch.device:
@@ -60,28 +59,18 @@ def expected_rows(rank: int, s: list[list[int]], make, mode: str = "rceil") -> t
     return torch.cat(parts)
 
 
-@contextlib.contextmanager
-def _piece_bytes(n: int | None):
-    """PIPELINE_CHUNK_BYTES set to n (None: unchanged) for the duration."""
-    from mxfp8_a2a import _config
-
-    before = _config.PIPELINE_CHUNK_BYTES
-    _config.PIPELINE_CHUNK_BYTES = n or before
-    try:
-        yield
-    finally:
-        _config.PIPELINE_CHUNK_BYTES = before
+def _how(case: str) -> dict:
+    """Keyword arguments of a case: "nccl" (the default transport) or "copy R" (a
+    CopyEngineTransport in R row ranges per direction, R an int or "auto")."""
+    if case == "nccl":
+        return {}
+    r = case.split()[1]
+    return dict(transport=mx.CopyEngineTransport(row_ranges=None if r == "auto" else int(r)))
 
 
-def _how(chunks) -> dict:
-    """Keyword arguments of a case: an int / None (chunks), "tiny pieces" (automatic pieces at
-    200 bytes each) or "copy c" (the copy-engine transport, c row ranges or "auto")."""
-    if chunks == "tiny pieces":
-        return dict(chunks=None)
-    if isinstance(chunks, str):
-        c = chunks.split()[1]
-        return dict(chunks=None if c == "auto" else int(c), transport="copy_engine")
-    return dict(chunks=chunks)
+def _copies(dev, world, *ranges) -> list[str]:
+    """The copy-engine cases where that transport can run (CUDA, two ranks)."""
+    return [f"copy {r}" for r in ranges] if dev.type == "cuda" and world == 2 else []
 
 
 def exact_forward_backward(rank, world, backend, seed, k, dtype, mode):
@@ -100,32 +89,24 @@ def exact_forward_backward(rank, world, backend, seed, k, dtype, mode):
     t = [[s[d][r] for d in range(world)] for r in range(world)]  # splits swapped
     want_out = expected_rows(rank, s, make_x, mode)
     want_grad = expected_rows(rank, t, make_w, mode)
-    # one collective; automatic pieces (at the library's piece size: 1 here; at 200 bytes:
-    # counts that differ between ranks until they agree); 3 pieces; more than K/32 asked; on
-    # CUDA the copy-engine transport, whole and in 3 row ranges (some ranges empty)
-    copies = ["copy 1", "copy 3"] if dev.type == "cuda" and world == 2 else []
-    for chunks in (1, None, "tiny pieces", 3, 50, *copies):
+    # NCCL/gloo; on CUDA the copy-engine transport, whole and in 3 row ranges (some empty)
+    for case in ("nccl", *_copies(dev, world, 1, 3)):
         x = make_x(rank).requires_grad_(True)
         x_before = x.detach().clone()
-        with _piece_bytes(200 if chunks == "tiny pieces" else None):
-            out = mx.to_mxfp8_a2a_dequant(
-                x,
-                torch.tensor(out_splits),
-                in_splits,
-                scaling_mode=mode,
-                validate=True,
-                **_how(chunks),
-            )
+        out = mx.to_mxfp8_a2a_dequant(
+            x, torch.tensor(out_splits), in_splits, scaling_mode=mode, validate=True,
+            **_how(case),
+        )  # fmt: skip
         assert out.dtype == dtype and out.shape == (sum(out_splits), k)
-        assert torch.equal(out.detach().cpu(), want_out), chunks
+        assert torch.equal(out.detach().cpu(), want_out), case
         out.backward(make_w(rank))
-        assert torch.equal(x.grad.cpu(), want_grad), chunks
+        assert torch.equal(x.grad.cpu(), want_grad), case
         assert torch.equal(x.detach(), x_before)  # input untouched
 
 
 def exact_large(rank, world, backend, seed):
     """Thousands of rows per pair, K = 1024: the kept rows reach KEEP_LOCAL_MIN_ELEMENTS on
-    CUDA (round-trip kernel beside the collective); 3 and 7 column pieces (uneven widths)."""
+    CUDA (round-trip kernel beside the collective)."""
     from mxfp8_a2a import _config
 
     dev = device_for(backend)
@@ -147,13 +128,12 @@ def exact_large(rank, world, backend, seed):
     t = [[s[d][r] for d in range(world)] for r in range(world)]
     want_grad = expected_rows(rank, t, make_g)
     grad = make_g(rank)
-    copies = ["copy 1", "copy 4", "copy auto"] if dev.type == "cuda" and world == 2 else []
-    for chunks in (1, None, 3, 7, *copies):
+    for case in ("nccl", *_copies(dev, world, 1, 4, "auto")):
         x = make_x(rank).requires_grad_(True)
-        out = mx.to_mxfp8_a2a_dequant(x, out_splits, in_splits, **_how(chunks))
-        assert torch.equal(out.detach().cpu(), want_out), chunks
+        out = mx.to_mxfp8_a2a_dequant(x, out_splits, in_splits, **_how(case))
+        assert torch.equal(out.detach().cpu(), want_out), case
         out.backward(grad)
-        assert torch.equal(x.grad.cpu(), want_grad), chunks
+        assert torch.equal(x.grad.cpu(), want_grad), case
 
 
 def repeated_calls(rank, world, backend, seed):
@@ -162,8 +142,8 @@ def repeated_calls(rank, world, backend, seed):
     exact; K = 1024, the rows a rank sends itself first above KEEP_LOCAL_MIN_ELEMENTS (kept
     off the wire, round trip), then a few (on the wire, also for a group of one rank); the
     fifth call takes x as a view 2 bytes off 16-byte alignment (its own plan)."""
+
     from mxfp8_a2a import _config
-    from mxfp8_a2a._exchange import _PLANS
 
     dev = device_for(backend)
     k = 1024
@@ -172,8 +152,6 @@ def repeated_calls(rank, world, backend, seed):
         s = torch.randint(0, 300, (world, world), generator=g)
         s.fill_diagonal_(diagonal)
         _repeat(rank, world, s.tolist(), k, seed + diagonal, dev)
-    if dev.type == "cuda":
-        assert len(_PLANS) >= 2, "plans were recorded (one per diagonal at least)"
 
 
 def _repeat(rank, world, s, k, seed, dev):
@@ -219,9 +197,9 @@ def routing(rank, world, backend, seed):
         return torch.stack(rows) if rows else torch.zeros(0, k)
 
     x = encode(rank).to(torch.bfloat16).to(dev)
-    for chunks in (1, 4, *(["copy 1", "copy 2"] if dev.type == "cuda" and world == 2 else [])):
+    for case in ("nccl", *_copies(dev, world, 1, 2)):
         out_splits = [s[i][rank] for i in range(world)]
-        out = mx.to_mxfp8_a2a_dequant(x, out_splits, s[rank], **_how(chunks))
+        out = mx.to_mxfp8_a2a_dequant(x, out_splits, s[rank], **_how(case))
         check_routing(out.float().cpu(), s, rank, world)
 
 
@@ -254,13 +232,8 @@ def sqnr_vs_bf16(rank, world, backend, seed):
 
 
 def edge_cases(rank, world, backend):
-    copies = ["copy 1", "copy 2"] if backend == "nccl" and world == 2 else []
-    for chunks in (1, None, 2, *copies):
-        _edge_cases(rank, world, backend, _how(chunks))
-    # the automatic piece count follows the busiest rank, whatever this rank exchanges
-    rows = [0, 3_000_000, 3_000, 400_000][rank % 4]
-    busiest = max([0, 3_000_000, 3_000, 400_000][r % 4] for r in range(world))
-    assert mx.agreed_chunks(rows, 5120) == mx.auto_chunks(busiest, 5120) > 1
+    for case in ("nccl", *_copies(device_for(backend), world, 1, 2)):
+        _edge_cases(rank, world, backend, _how(case))
 
 
 def _edge_cases(rank, world, backend, how):
@@ -308,15 +281,17 @@ def bad_input(rank, world, backend):
         (lambda: mx.to_mxfp8_a2a_dequant(x.view(world, 2, 32), ones, ones), "2-D"),
         (lambda: mx.to_mxfp8_a2a_dequant(x, ones, ones, scaling_mode="up"), "scaling_mode"),
         (lambda: mx.to_mxfp8_a2a_dequant(x, [1.5] * world, ones), "integers"),
-        (lambda: mx.to_mxfp8_a2a_dequant(x, ones, ones, chunks=0), "chunks"),
         (lambda: mx.to_mxfp8_a2a_dequant(x, ones, ones, transport="ib"), "transport must be"),
+        (lambda: mx.to_mxfp8_a2a_dequant(x, ones, [2**63] + [0] * (world - 1)), "2\\*\\*62"),
+        (lambda: mx.to_mxfp8_a2a_dequant(x, ones, (2 for _ in ones)), "input_splits sum"),
         (
             lambda: mx.to_mxfp8_a2a_dequant(x, [0 if r == rank else 1 for r in range(world)], ones),
             "to itself",
         ),
     ]
     if dev.type == "cpu":
-        call = lambda: mx.to_mxfp8_a2a_dequant(x, ones, ones, transport="copy_engine")  # noqa: E731
+        ce = mx.CopyEngineTransport()
+        call = lambda: mx.to_mxfp8_a2a_dequant(x, ones, ones, transport=ce)  # noqa: E731
         cases.append((call, "needs CUDA tensors .* and a group of two ranks"))
     if dev.type == "cuda":
         cases.append(
@@ -341,11 +316,25 @@ def bad_input(rank, world, backend):
     y = torch.randn(sum(in_splits), 64, device=dev)
     with pytest.raises(ValueError, match="splits disagree: rank 0 sends 2 rows to rank 1"):
         mx.to_mxfp8_a2a_dequant(y, out_splits, in_splits, validate=True)
-    with pytest.raises(ValueError, match="chunks and transport differ between ranks"):
-        mx.to_mxfp8_a2a_dequant(x, ones, ones, chunks=1 + rank, validate=True)
+    # what the collective's byte counts depend on, differing between ranks: every rank raises
+    z = torch.randn(world, 64 if rank else 96, device=dev)
+    with pytest.raises(ValueError, match=r"x.shape\[1\] \(K\) differs between ranks"):
+        mx.to_mxfp8_a2a_dequant(z, ones, ones, validate=True)
+    with pytest.raises(ValueError, match="x.dtype differs between ranks"):
+        mx.to_mxfp8_a2a_dequant(x.to(torch.bfloat16) if rank else x, ones, ones, validate=True)
+    with pytest.raises(ValueError, match="scaling_mode differs between ranks"):
+        mode = "floor" if rank else "rceil"
+        mx.to_mxfp8_a2a_dequant(x, ones, ones, validate=True, scaling_mode=mode)
+    # an unknown transport or an int64-overflowing split on one rank only: every rank raises
+    bad_how = dict(transport="ib") if rank == 0 else {}
+    with pytest.raises(ValueError, match="transport must be" if rank == 0 else "bad arguments"):
+        mx.to_mxfp8_a2a_dequant(x, ones, ones, validate=True, **bad_how)
+    big = [2**63] + [0] * (world - 1) if rank == 0 else ones
+    with pytest.raises(ValueError, match=r"2\*\*62" if rank == 0 else "bad arguments"):
+        mx.to_mxfp8_a2a_dequant(x, ones, big, validate=True)
     if dev.type == "cuda" and world == 2:
-        with pytest.raises(ValueError, match="chunks and transport differ between ranks"):
-            how = dict(transport="copy_engine") if rank else {}
+        with pytest.raises(ValueError, match="transport differs between ranks"):
+            how = dict(transport=mx.CopyEngineTransport()) if rank else {}
             mx.to_mxfp8_a2a_dequant(x, ones, ones, validate=True, **how)
     # a bad argument on one rank only: with validate every rank raises
     z = torch.randn(world, 64 if rank else 48, device=dev)
@@ -410,7 +399,7 @@ def _graph_replays(rank, world, g, kept):
 
     def fwd():
         with torch.no_grad():
-            return mx.to_mxfp8_a2a_dequant(x, out_splits, in_splits, chunks=2)
+            return mx.to_mxfp8_a2a_dequant(x, out_splits, in_splits)
 
     def fwd_bwd():
         xg.grad = None
@@ -436,7 +425,7 @@ def graph_capture(rank, world, backend, seed):
     """Forward and forward+backward captured in CUDA graphs: a replay on new data matches
     the eager call bit for bit (uneven splits; the rows a rank sends itself first many
     enough to take the round-trip path, beside an asynchronous collective, then few, on the
-    wire, the one-piece collective then on the caller's stream; the forward in 2 pieces);
+    wire, the collective then on the caller's stream);
     calls that would synchronize raise a clear error under capture."""
     import pytest
 
@@ -444,11 +433,10 @@ def graph_capture(rank, world, backend, seed):
     for kept in (4200, 3):  # 4200 * 1024 elements: over KEEP_LOCAL_MIN_ELEMENTS
         x, in_splits, out_splits = _graph_replays(rank, world, g, kept)
     for bad, match in (
-        (dict(chunks=None), "chunks=<int>"),
         (dict(validate=True), "validate=False"),
         (dict(output_splits=torch.tensor(out_splits, device="cuda")), "list of ints"),
     ):
-        args = dict(output_splits=out_splits, chunks=1) | bad
+        args = dict(output_splits=out_splits) | bad
         splits = args.pop("output_splits")
         graph = torch.cuda.CUDAGraph()
         with pytest.raises(ValueError, match=match), torch.cuda.graph(graph):

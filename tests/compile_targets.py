@@ -17,10 +17,10 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, compile  # noqa: E402
 
 from mxfp8_a2a import _config  # noqa: E402
-from mxfp8_a2a.dequantize import _dequantize_kernel  # noqa: E402
-from mxfp8_a2a.per_group_scales import _group_item_kernel, _row_block_kernel  # noqa: E402
-from mxfp8_a2a.quantize import _quantize_kernel  # noqa: E402
-from mxfp8_a2a.roundtrip import _roundtrip_kernel  # noqa: E402
+from mxfp8_a2a.formats.dequantize import _dequantize_kernel  # noqa: E402
+from mxfp8_a2a.formats.quantize import _quantize_kernel  # noqa: E402
+from mxfp8_a2a.formats.roundtrip import _roundtrip_kernel  # noqa: E402
+from mxfp8_a2a.grouped.kernels import _group_item_kernel, _row_block_kernel  # noqa: E402
 
 I32 = "i32"
 GAP = ["n_groups", "groups_per_row", "gap_at", "gap_len"]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mxfp8_a2a._common import interpreted
-from mxfp8_a2a.quantize import _quantize_kernel
+from mxfp8_a2a.formats.quantize import _quantize_kernel
 
 # Where the Triton kernels can run in this process: CPU through the interpreter, or CUDA.
 KERNEL_DEVICES = [

@@ -7,8 +7,10 @@ import torch
 import torch.distributed as dist
 from a2a_workers import device_for
 from helpers import sqnr_db
+from moe_reference import moe_reference
 
-from mxfp8_a2a.moe import ExpertParallelMoE, init_moe_weights, moe_reference, route
+import mxfp8_a2a as mx
+from mxfp8_a2a.moe.layer import ExpertParallelMoE, init_moe_weights, route
 
 HIDDEN, FFN, TOKENS = 64, 32, 12
 
@@ -104,7 +106,7 @@ def copy_engine_matches_nccl(rank, world, backend, seed, top_k, routing, tokens)
     gradients equal up to the order of the atomic adds that gather x's rows."""
     dev = device_for(backend)
     results = []
-    for transport in ("nccl", "copy_engine"):
+    for transport in ("nccl", mx.CopyEngineTransport()):
         layer = ExpertParallelMoE(
             HIDDEN, FFN, 2 * world, top_k, exchange="mxfp8", transport=transport, seed=seed
         ).to(dev)
@@ -122,13 +124,13 @@ def copy_engine_matches_nccl(rank, world, backend, seed, top_k, routing, tokens)
 
 
 def copy_engine_needs_cuda_pair(rank, world, backend):
-    """transport="copy_engine" on CPU tensors: dispatch raises a ValueError naming the
-    argument before its first collective, on every rank."""
-    layer = ExpertParallelMoE(HIDDEN, FFN, 2 * world, 1, transport="copy_engine")
+    """A CopyEngineTransport on CPU tensors: dispatch raises a ValueError naming the
+    transport on every rank."""
+    layer = ExpertParallelMoE(HIDDEN, FFN, 2 * world, 1, transport=mx.CopyEngineTransport())
     x, _ = _inputs(rank, 0, torch.device("cpu"), "normal")
     try:
         layer(x)
     except ValueError as e:
-        assert "transport='copy_engine'" in str(e), e
+        assert "CopyEngineTransport needs CUDA tensors" in str(e), e
         return True
-    raise AssertionError("no ValueError for transport='copy_engine' on CPU tensors")
+    raise AssertionError("no ValueError for a CopyEngineTransport on CPU tensors")

@@ -26,8 +26,7 @@ from a2a_workers import (
 from dist_utils import BACKENDS, run_distributed
 
 import mxfp8_a2a as mx
-from mxfp8_a2a import _config
-from mxfp8_a2a._exchange import _wire_row, auto_chunks, column_cuts
+from mxfp8_a2a.exchange.rows import wire_row
 
 GLOO_WORLDS = [2, 3, 4]
 ANY_GPUS = [
@@ -47,22 +46,9 @@ def _seed() -> int:
 
 
 @pytest.mark.parametrize("k", [32, 96, 5120, 7168])
-def test_column_pieces_cover_the_row(k):
-    for chunks in (1, 2, 3, 4, 7, 8, 1000):
-        cuts = column_cuts(k, chunks)
-        assert len(cuts) == min(chunks, k // 32)
-        assert [c0 for c0, _ in cuts] == [sum(w for _, w in cuts[:i]) for i in range(len(cuts))]
-        assert sum(w for _, w in cuts) == k and all(w > 0 and w % 32 == 0 for _, w in cuts)
-        assert max(w for _, w in cuts) - min(w for _, w in cuts) <= 32
-        for _, w in cuts:
-            row = _wire_row(w)
-            assert row % 16 == 0 and 0 <= row - mx.packed_row_bytes(w) < 16
-
-
-def test_auto_chunks_grow_with_the_message():
-    counts = [auto_chunks(rows, 5120) for rows in (0, 256, 8192, 32768, 65536, 131072, 10**7)]
-    assert counts[:3] == [1, 1, 1] and counts == sorted(counts)
-    assert counts[-1] == _config.PIPELINE_MAX_CHUNKS
+def test_wire_rows_are_16_byte_aligned(k):
+    row = wire_row(k)
+    assert row % 16 == 0 and 0 <= row - mx.packed_row_bytes(k) < 16
 
 
 @pytest.mark.parametrize("backend", ANY_GPUS)
@@ -129,44 +115,50 @@ def test_cuda_graph_capture():
 @pytest.mark.parametrize(
     "bad, match",
     [
-        (dict(chunks=None), "chunks=<int>"),
         (dict(validate=True), "validate=False"),
         (dict(output_splits=torch.tensor([1, 1], device="meta")), "list of ints"),
-        (dict(transport="copy_engine"), "cannot be captured"),
+        (dict(transport=mx.CopyEngineTransport()), "captured"),
     ],
 )
 def test_capture_check_names_what_would_synchronize(bad, match):
     """What to_mxfp8_a2a_dequant checks under CUDA graph capture (the CUDA path itself runs
     in test_cuda_graph_capture)."""
-    from mxfp8_a2a.a2a import _check_capturable
+    from mxfp8_a2a.exchange.checks import check_capturable
+    from mxfp8_a2a.exchange.nccl import NCCL
 
-    args = dict(output_splits=[1, 1], input_splits=[1, 1], chunks=1, validate=False) | bad
+    args = dict(output_splits=[1, 1], input_splits=[1, 1], validate=False, transport=NCCL)
     with pytest.raises(ValueError, match=match):
-        _check_capturable(**args)
-    _check_capturable([1, 1], torch.tensor([1, 1]), 2, False)  # CPU splits and an int pass
+        check_capturable(**(args | bad))
+    check_capturable([1, 1], torch.tensor([1, 1]), False, NCCL)  # CPU splits pass
 
 
 def test_capture_check_sees_the_validate_environment(monkeypatch):
-    from mxfp8_a2a.a2a import VALIDATE_ENV, _check_capturable
+    from mxfp8_a2a.exchange.checks import VALIDATE_ENV, check_capturable
+    from mxfp8_a2a.exchange.nccl import NCCL
 
     monkeypatch.setenv(VALIDATE_ENV, "1")
     with pytest.raises(ValueError, match=VALIDATE_ENV):
-        _check_capturable([1, 1], [1, 1], 1, False)
+        check_capturable([1, 1], [1, 1], False, NCCL)
 
 
 def test_copy_engine_row_ranges():
-    from mxfp8_a2a._copy_exchange import row_ranges
+    from mxfp8_a2a.exchange.copy_engine import row_ranges
 
     assert row_ranges(7, 3) == [(0, 2), (2, 4), (4, 7)]
     assert row_ranges(1, 3) == [(0, 0), (0, 0), (0, 1)]
     assert row_ranges(0, 2) == [(0, 0), (0, 0)]
 
 
-def test_copy_engine_auto_ranges(monkeypatch):
+def test_copy_engine_auto_row_ranges(monkeypatch):
     from mxfp8_a2a import _config
-    from mxfp8_a2a._copy_exchange import auto_ranges
+    from mxfp8_a2a.exchange.copy_engine import auto_row_ranges
 
     monkeypatch.setattr(_config, "COPY_ENGINE_RANGE_BYTES", 1000)
     monkeypatch.setattr(_config, "COPY_ENGINE_MAX_RANGES", 3)
     # 144-byte rows (128 columns + 4 scale bytes, padded to 16): 1000 bytes per range
-    assert [auto_ranges(r, 128) for r in (0, 6, 7, 13, 14, 21, 10**6)] == [1, 1, 1, 1, 2, 3, 3]
+    assert [auto_row_ranges(r, 128) for r in (0, 6, 7, 13, 14, 21, 10**6)] == [1, 1, 1, 1, 2, 3, 3]
+
+
+def test_copy_engine_row_ranges_argument():
+    with pytest.raises(ValueError, match="row_ranges must be None or a positive int"):
+        mx.CopyEngineTransport(row_ranges=0)

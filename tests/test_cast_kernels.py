@@ -220,8 +220,8 @@ def test_bad_input(call, exc, match):
 def test_gap_launch_skips_rows(device, gap):
     """The exchange's launches: quantize of x with rows [at, at + n) cut out, dequantize into
     out leaving those rows untouched, with a capped grid (programs loop over tiles)."""
-    from mxfp8_a2a.dequantize import _launch as dequantize_launch
-    from mxfp8_a2a.quantize import _launch as quantize_launch
+    from mxfp8_a2a.formats.dequantize import _launch as dequantize_launch
+    from mxfp8_a2a.formats.quantize import _launch as quantize_launch
 
     g = fresh_generator(device)
     x = random_blocks((40, 96), torch.bfloat16, device, g)

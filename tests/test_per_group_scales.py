@@ -6,8 +6,9 @@ import pytest
 import torch
 from helpers import KERNEL_DEVICES, bits, fresh_generator
 
-from mxfp8_a2a import per_group_colwise_scales, per_group_rowwise_scales, per_group_scales
-from mxfp8_a2a.per_group_scales import per_group_colwise_reference, per_group_rowwise_reference
+from mxfp8_a2a import per_group_colwise_scales, per_group_rowwise_scales
+from mxfp8_a2a.grouped import per_group_scales
+from mxfp8_a2a.grouped.reference import per_group_colwise_reference, per_group_rowwise_reference
 
 
 def _offsets(total: int, n_groups: int, g: torch.Generator, kind: str) -> torch.Tensor:
@@ -74,7 +75,7 @@ def test_row_block_size():
     """Rows per rowwise item: about tiling.item elements for a group of average width, a
     power of two, never more than the tensor's rows (rounded up) or MAX_ROW_BLOCK."""
     from mxfp8_a2a._config import RowBlockTiling
-    from mxfp8_a2a.per_group_scales import MAX_ROW_BLOCK, _row_block
+    from mxfp8_a2a.grouped.per_group_scales import MAX_ROW_BLOCK, _row_block
 
     t = RowBlockTiling(tile=4096, item=8192, min_group=32, max_class=512, num_warps=4)
     assert _row_block(t, 16640, 8192, 1) == 1  # one group 8192 wide: one row

@@ -1,4 +1,4 @@
-"""scripts/train_moe.py on CPU/gloo: 2 ranks, 60 steps, under a minute; the MXFP8 run's
+"""examples/train_moe.py on CPU/gloo: 2 ranks, 60 steps, under a minute; the MXFP8 run's
 final loss within 2% of the plain-exchange run's."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-SCRIPT = Path(__file__).parents[1] / "scripts" / "train_moe.py"
+SCRIPT = Path(__file__).parents[1] / "examples" / "train_moe.py"
 
 
 def _final_loss(exchange: str) -> tuple[float, float]:

@@ -1,6 +1,6 @@
 """Train a tiny expert-parallel MoE model on synthetic regression data.
 
-    torchrun --nproc-per-node=2 scripts/train_moe.py --steps 60 --exchange mxfp8
+    torchrun --nproc-per-node=2 examples/train_moe.py --steps 60 --exchange mxfp8
 
 Each rank draws its own batches (fixed seed); the target is a fixed random teacher network.
 The model is a stack of residual MoE layers (mxfp8_a2a.ExpertParallelMoE) with experts
@@ -18,9 +18,9 @@ import time
 import torch
 import torch.distributed as dist
 
+import mxfp8_a2a as mx
 from mxfp8_a2a import ExpertParallelMoE
-from mxfp8_a2a._launch import init_from_torchrun
-from mxfp8_a2a.a2a import TRANSPORTS
+from mxfp8_a2a._torchrun import init_from_torchrun
 from mxfp8_a2a.moe import EXCHANGES
 
 
@@ -28,6 +28,7 @@ class TinyMoE(torch.nn.Module):
     def __init__(self, args, group=None):
         super().__init__()
         world = dist.get_world_size(group)
+        transport = mx.CopyEngineTransport(group) if args.transport == "copy_engine" else "nccl"
         self.layers = torch.nn.ModuleList(
             ExpertParallelMoE(
                 args.hidden,
@@ -36,7 +37,7 @@ class TinyMoE(torch.nn.Module):
                 args.top_k,
                 group,
                 exchange=args.exchange,
-                transport=args.transport,
+                transport=transport,
                 seed=args.seed + i,
             )
             for i in range(args.layers)
@@ -68,7 +69,7 @@ def main() -> None:
     p.add_argument("--exchange", choices=EXCHANGES, default="mxfp8")
     p.add_argument(
         "--transport",
-        choices=TRANSPORTS,
+        choices=("nccl", "copy_engine"),
         default="nccl",
         help="how the MXFP8 exchanges move rows (copy_engine: two ranks on CUDA GPUs)",
     )

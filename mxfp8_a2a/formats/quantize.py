@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _config
-from ._common import (
+from .. import _config
+from .._common import (
     BLOCK,
     E4M3_MAX,
     block_count,
@@ -22,8 +22,8 @@ from ._common import (
     check_scaling_mode,
     resolve_backend,
 )
-from ._fast_launch import launch_tiles
-from ._jit_math import block_tile, mx_quantize_blocks, skip_gap, to_fp32
+from .bits import block_tile, mx_quantize_blocks, skip_gap, to_fp32
+from .launch import launch_tiles
 from .packing import pack, packed_row_bytes
 
 # ---------------------------------------------------------------------------- reference

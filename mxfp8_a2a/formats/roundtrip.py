@@ -12,11 +12,11 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _config
-from ._common import BLOCK, block_count, check_float_input, check_scaling_mode, resolve_backend
-from ._fast_launch import launch_tiles
-from ._jit_math import block_tile, mx_dequantize_blocks, mx_quantize_blocks, store_float, to_fp32
+from .. import _config
+from .._common import BLOCK, block_count, check_float_input, check_scaling_mode, resolve_backend
+from .bits import block_tile, mx_dequantize_blocks, mx_quantize_blocks, store_float, to_fp32
 from .dequantize import dequantize_reference
+from .launch import launch_tiles
 from .quantize import _capability, _needs_int64, quantize_reference
 
 

@@ -11,10 +11,10 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _config
-from ._common import BLOCK, block_count, check_out_dtype, resolve_backend
-from ._fast_launch import launch_tiles
-from ._jit_math import block_tile, mx_dequantize_blocks, skip_gap, store_float
+from .. import _config
+from .._common import BLOCK, block_count, check_out_dtype, resolve_backend
+from .bits import block_tile, mx_dequantize_blocks, skip_gap, store_float
+from .launch import launch_tiles
 from .packing import k_from_packed_row_bytes, unpack
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import BLOCK
+from .._common import BLOCK
 
 
 def packed_row_bytes(k: int) -> int:

@@ -1,0 +1,96 @@
+"""Host time per exchange call: what the CPU spends issuing one call (small exchanges are
+bound by it), bf16 vs MXFP8.
+
+    torchrun --nproc-per-node=1 benchmarks/bench_host_time.py --shape 256x5120
+
+For each case, ``--calls`` calls back to back (after warm-up), timed on the host clock
+without synchronizing inside the loop; the median per call over ``--repeats`` loops, max
+over ranks. Cases: no-grad forward, forward with grad, forward+backward. On one GPU the
+group has one rank (the exchange goes through the same kernels and collective calls, with
+no traffic): it measures host time, not speed. MXFP8_A2A_PUBLIC_LAUNCH=1 times the public
+Triton launch path (see mxfp8_a2a/formats/launch.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from bench_a2a import _Bf16AllToAll, make_splits
+from common import parse_shape, versions, write_json
+from tabulate import tabulate
+
+import mxfp8_a2a as mx
+from mxfp8_a2a._torchrun import init_from_torchrun
+from mxfp8_a2a.formats.launch import fast_launch_enabled
+
+
+def per_call_us(fn, calls: int, repeats: int, device) -> float:
+    for _ in range(3):
+        fn()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t0) / calls * 1e6)
+        sync()
+    t = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def time_shape(text: str, world: int, rank: int, device, calls: int, repeats: int) -> dict:
+    tokens, dim = parse_shape(text)
+    splits = make_splits(tokens, world, rank, "equal")
+    out_splits = mx.compute_output_splits(splits)
+    x = torch.randn(tokens, dim, device=device, dtype=torch.bfloat16)
+    xg = x.clone().requires_grad_(True)
+    grad = torch.randn(sum(out_splits), dim, device=device, dtype=torch.bfloat16)
+    fns = {
+        "bf16": lambda t: _Bf16AllToAll.apply(t, out_splits, splits),
+        "mxfp8": lambda t: mx.to_mxfp8_a2a_dequant(t, out_splits, splits),
+    }
+    out = {}
+    for name, f in fns.items():
+        res = {}
+        with torch.no_grad():
+            res["fwd no-grad"] = per_call_us(lambda f=f: f(x), calls, repeats, device)
+        res["fwd"] = per_call_us(lambda f=f: f(xg), calls, repeats, device)
+        res["fwd+bwd"] = per_call_us(lambda f=f: f(xg).backward(grad), calls, repeats, device)
+        out[name] = res
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--shape", action="append", help="TOKENSxDIM per rank (repeatable)")
+    p.add_argument("--calls", type=int, default=50)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--json")
+    args = p.parse_args()
+    device = init_from_torchrun()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    rows, results = [], {}
+    for text in args.shape or ["256x5120"]:
+        for name, res in time_shape(text, world, rank, device, args.calls, args.repeats).items():
+            results[f"{text} {name}"] = res
+            rows.append([text, name, *res.values()])
+    if rank == 0:
+        info = versions() | {"world_size": world, "fast_launch": fast_launch_enabled()}
+        print(" ".join(f"{k}={v}" for k, v in info.items()))
+        headers = ["shape", "exchange", "fwd no-grad us", "fwd us", "fwd+bwd us"]
+        print(tabulate(rows, headers=headers, floatfmt=".1f"))
+        write_json(args.json, {"info": info, "results": results})
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

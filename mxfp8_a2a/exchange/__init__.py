@@ -1,0 +1,14 @@
+"""The MXFP8 exchange: the public function, its checks, and one file per transport."""
+
+from .api import compute_output_splits, to_mxfp8_a2a_dequant
+from .copy_engine import CopyEngineTransport
+from .nccl import NcclTransport
+from .transport import Transport
+
+__all__ = [
+    "CopyEngineTransport",
+    "NcclTransport",
+    "Transport",
+    "compute_output_splits",
+    "to_mxfp8_a2a_dequant",
+]

@@ -1,0 +1,180 @@
+"""Argument checks of the exchange, local and across ranks, in one place.
+
+Local checks raise a TypeError/ValueError naming the argument before any collective. What
+one rank cannot see alone (splits that disagree between ranks, a K, dtype, scaling mode or
+transport that differs) needs ``validate=True`` on every rank: one all_gather of
+2 * world + 6 int64 values and a host sync, after which every rank raises the same error.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from .._common import SCALING_MODES
+from .transport import Transport
+
+Splits = Iterable[int] | torch.Tensor
+
+VALIDATE_ENV = "MXFP8_A2A_VALIDATE"
+MAX_ROWS = 2**62  # any split at or above it is an error (int64 arithmetic stays exact)
+_DTYPES = (torch.bfloat16, torch.float32)
+
+# torch >= 2.13 renames all_gather_into_tensor to all_gather_single
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def comm_device(group: dist.ProcessGroup | None) -> torch.device:
+    """The device the collectives of ``group`` take tensors on (CUDA for NCCL)."""
+    if "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def group_rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """(rank, size) of this process in ``group``; a ValueError if it is not a member."""
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError("this process is not a member of `group`; call it on the group's ranks")
+    return rank, dist.get_world_size(group)
+
+
+def splits_list(splits: Splits, name: str, device: torch.device) -> list[int]:
+    """``splits`` (a 1-D integer tensor, or an iterable of ints) as a list of ints; a device
+    tensor is read back (a host sync)."""
+    if isinstance(splits, torch.Tensor):
+        if splits.dim() != 1 or splits.dtype.is_floating_point or splits.dtype.is_complex:
+            raise TypeError(f"{name} must be a 1-D integer tensor or a list of ints")
+        if splits.device.type != "cpu" and splits.device != device:
+            raise ValueError(
+                f"{name} is on {splits.device} but x is on {device}; keep the splits on the "
+                "CPU or on x's device"
+            )
+        return [int(v) for v in splits.tolist()]
+    if type(splits) is list and all(type(v) is int for v in splits):
+        return list(splits)  # the common case; a copy, kept for the backward
+    try:
+        given = list(splits)
+        out = [int(v) for v in given]
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a list of ints or a 1-D integer tensor") from None
+    if any(isinstance(v, bool) or o != v for o, v in zip(out, given, strict=True)):
+        raise TypeError(f"{name} must hold integers, got {given}")
+    return out
+
+
+def check_counts(splits: list[int], name: str, world: int) -> None:
+    """One count per rank, each in [0, 2**62)."""
+    if len(splits) != world:
+        raise ValueError(
+            f"{name} has {len(splits)} entries but the group has {world} ranks; give one "
+            "count per rank"
+        )
+    for i, v in enumerate(splits):
+        if not 0 <= v < MAX_ROWS:
+            raise ValueError(f"{name}[{i}] = {v}; row counts must be non-negative and below 2**62")
+
+
+def check_splits(x_rows: int, output_splits: list[int], input_splits: list[int], world, rank):
+    check_counts(input_splits, "input_splits", world)
+    check_counts(output_splits, "output_splits", world)
+    if sum(input_splits) != x_rows:
+        raise ValueError(
+            f"input_splits sum to {sum(input_splits)} but x has {x_rows} rows; they must "
+            "sum to x.shape[0]"
+        )
+    if input_splits[rank] != output_splits[rank]:
+        raise ValueError(
+            f"input_splits[{rank}] = {input_splits[rank]} rows to itself but output_splits"
+            f"[{rank}] = {output_splits[rank]} from itself on rank {rank}; they must agree"
+        )
+
+
+def validating(validate: bool) -> bool:
+    """Whether the call validates across ranks: ``validate``, or VALIDATE_ENV=1."""
+    return validate or os.environ.get(VALIDATE_ENV, "0") == "1"
+
+
+def check_capturable(output_splits, input_splits, validate: bool, transport: Transport) -> None:
+    """Under CUDA graph capture nothing may wait for the GPU: no validation round, no splits
+    read back from the GPU; and only a capturable transport."""
+    if not transport.capturable:
+        raise ValueError(
+            f"the {transport.name!r} transport cannot be captured in a CUDA graph; capture "
+            "with transport='nccl'"
+        )
+    for name, value in (("output_splits", output_splits), ("input_splits", input_splits)):
+        if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+            raise ValueError(
+                f"{name} is a {value.device} tensor; under CUDA graph capture pass the splits "
+                "as a list of ints (reading them back would synchronize)"
+            )
+    if validating(validate):
+        raise ValueError(
+            f"under CUDA graph capture pass validate=False (and leave {VALIDATE_ENV} unset): "
+            "validation synchronizes"
+        )
+
+
+def check_all_ranks(
+    error: Exception | None,
+    output_splits: list[int],
+    input_splits: list[int],
+    group: dist.ProcessGroup | None,
+    world: int,
+    how: tuple[int, int, int, int, int],
+) -> None:
+    """One all_gather of [error flag, input_splits, output_splits, *how] (how: K, dtype,
+    scaling mode, transport code and setting); every rank raises alike. Every rank must
+    call it (validate=True on all of them)."""
+    n = 1 + 2 * world + len(how)
+    if error is None:
+        payload = [0, *input_splits, *output_splits, *how]
+    else:
+        payload = [1] + [0] * (n - 1)
+    mine = torch.tensor(payload, dtype=torch.int64, device=comm_device(group))
+    table = torch.empty(world * n, dtype=torch.int64, device=mine.device)
+    _all_gather(table, mine, group=group)
+    rows = table.view(world, n).tolist()
+    bad = [r for r in range(world) if rows[r][0]]
+    if error is not None:
+        raise error
+    if bad:
+        raise ValueError(f"to_mxfp8_a2a_dequant: bad arguments on rank(s) {bad} of the group")
+    for src in range(world):
+        for dst in range(world):
+            sent, expected = rows[src][1 + dst], rows[dst][1 + world + src]
+            if sent != expected:
+                raise ValueError(
+                    f"splits disagree: rank {src} sends {sent} rows to rank {dst} "
+                    f"(input_splits[{dst}] on rank {src}) but rank {dst} expects {expected} "
+                    f"(output_splits[{src}] on rank {dst}); compute output_splits with "
+                    "compute_output_splits(input_splits)"
+                )
+    hows = [tuple(r[1 + 2 * world :]) for r in rows]
+    for i, what in enumerate(("x.shape[1] (K)", "x.dtype", "scaling_mode", "transport")):
+        values = [h[i] if i < 3 else h[3:] for h in hows]
+        if len(set(values)) > 1:
+            raise ValueError(
+                f"{what} differs between ranks ({_describe(i, values)} by rank); every rank "
+                "must pass the same"
+            )
+
+
+def how_code(k: int, dtype: torch.dtype, scaling_mode: str, transport: Transport) -> tuple:
+    """What the byte counts of the collective depend on, as ints for check_all_ranks."""
+    return (
+        k, _DTYPES.index(dtype), SCALING_MODES.index(scaling_mode), transport.code,
+        transport.setting(),
+    )  # fmt: skip
+
+
+def _describe(i: int, values: list) -> list:
+    if i == 1:
+        return [str(_DTYPES[v]) for v in values]
+    if i == 2:
+        return [SCALING_MODES[v] for v in values]
+    return values

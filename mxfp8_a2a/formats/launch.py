@@ -1,0 +1,83 @@
+"""Launching the cast kernels with little host work.
+
+``kernel[grid](...)`` (Triton's public launch) binds and specializes every argument in
+Python on each call: about 30 us of host time per launch on the H200 machines' CPUs, where
+the compiled kernel's own launcher takes about 13 us (BENCHMARKS.md). An exchange launches
+two or three kernels, and small exchanges are bound by host time. So, on the Triton versions
+in ``FAST_TRITON`` (the ones this path has run on, on a GPU), :func:`launch` keeps the
+``CompiledKernel`` that the first ``kernel[grid](...)`` returned and calls it again as
+``compiled[grid](*args, stream=...)``. Everywhere else, under the interpreter, and with
+``MXFP8_A2A_PUBLIC_LAUNCH=1`` in the environment, every launch is ``kernel[grid](...)``.
+
+The cache key holds what Triton specializes a kernel on: for each tensor its dtype and
+whether its address is 16-byte aligned, for each int whether it equals 1, is a multiple of
+16 and fits 32 bits, plus the constexpr values and num_warps. It assumes Triton's compile
+settings (environment, knobs) do not change after the first launch in the process. At most
+``CACHE_SIZE`` kernels are kept (all dropped when full); :func:`clear_cache` drops them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+from .._common import interpreted
+
+FAST_TRITON = ("3.6.",)  # triton versions whose CompiledKernel launch ran on a GPU here
+CACHE_SIZE = 256
+PUBLIC_LAUNCH_ENV = "MXFP8_A2A_PUBLIC_LAUNCH"
+
+_COMPILED: dict[tuple, object] = {}
+
+
+def fast_launch_enabled() -> bool:
+    """Whether launches reuse the CompiledKernel (see the module docstring)."""
+    return triton.__version__.startswith(FAST_TRITON) and os.environ.get(PUBLIC_LAUNCH_ENV) != "1"
+
+
+def clear_cache() -> None:
+    """Drop every kept CompiledKernel (Triton's own cache keeps the binaries)."""
+    _COMPILED.clear()
+
+
+def _arg_key(a: object) -> object:
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() % 16 == 0
+    if isinstance(a, int) and not isinstance(a, bool):
+        return a == 1, a % 16 == 0, -(2**31) <= a < 2**31
+    return a
+
+
+def launch(kernel, grid: int, args: tuple, consts: dict, num_warps: int) -> None:
+    """``kernel[(grid,)](*args, **consts, num_warps=num_warps)``, through the cache.
+
+    args: the runtime arguments in the kernel's order; consts: its constexpr parameters, in
+    the kernel's order after them.
+    """
+    device = args[0].device
+    if device.type != "cuda" or interpreted(kernel) or not fast_launch_enabled():
+        kernel[(grid,)](*args, **consts, num_warps=num_warps)
+        return
+    # the kernel object itself in the key: alive as long as its entry
+    key = (kernel, device.index, num_warps, *consts.values(), *map(_arg_key, args))
+    compiled = _COMPILED.get(key)
+    if compiled is None:
+        if list(kernel.arg_names)[len(args) :] != list(consts):
+            raise AssertionError(f"constexprs {list(consts)} are not the tail of the arguments")
+        if len(_COMPILED) >= CACHE_SIZE:
+            _COMPILED.clear()
+        _COMPILED[key] = kernel[(grid,)](*args, **consts, num_warps=num_warps)
+        return
+    stream = torch.cuda.current_stream(device).cuda_stream
+    compiled[(grid, 1, 1)](*args, *consts.values(), stream=stream)
+
+
+def launch_tiles(
+    kernel, n_groups: int, args: tuple, consts: dict, num_warps: int, max_programs: int | None
+) -> None:
+    """:func:`launch` a cast kernel over cdiv(n_groups, consts["BLOCK_G"]) tiles of blocks of
+    32, on at most ``max_programs`` programs (None: one per tile); programs loop over tiles."""
+    n_tiles = triton.cdiv(n_groups, consts["BLOCK_G"])
+    launch(kernel, min(n_tiles, max_programs or n_tiles), args, consts, num_warps)

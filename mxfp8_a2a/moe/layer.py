@@ -1,0 +1,89 @@
+"""ExpertParallelMoE: a MoE layer on dispatch/combine (softmax top-k router, gelu expert MLPs).
+
+A real layer, not only an example: the training script and the MoE benchmark build on it,
+and its experts are where the grouped GEMMs go. Its weights are drawn for all experts from one
+seed and sliced, so every world size builds the same model (tests compare against a
+single-process definition).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..exchange.transport import Transport
+from .dispatch import combine, dispatch
+
+
+def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax top-k routing: logits [T, E] -> (weights fp32 [T, k] summing to 1, ids [T, k])."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    return weights / weights.sum(-1, keepdim=True), ids
+
+
+def expert_mlp(
+    x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, counts: list[int]
+) -> torch.Tensor:
+    """Row groups of x [N, H] (sizes ``counts``) through experts w1 [L, H, F], w2 [L, F, H]."""
+    outs = [
+        torch.nn.functional.gelu(xe @ w1[e]) @ w2[e] for e, xe in enumerate(torch.split(x, counts))
+    ]
+    return torch.cat(outs) if outs else x.new_empty((0, w2.shape[-1]))
+
+
+class ExpertParallelMoE(torch.nn.Module):
+    """A MoE layer with experts spread over the ranks of ``group``.
+
+    router: replicated Linear(hidden, num_experts); experts: this rank's L = num_experts /
+    world experts, gelu MLPs hidden -> ffn -> hidden, weights w1 [L, hidden, ffn] and
+    w2 [L, ffn, hidden]. Forward: x [T, hidden] -> [T, hidden]. ``exchange`` picks "mxfp8"
+    or "bf16" for dispatch and combine, ``transport`` how the MXFP8 exchanges move rows
+    ("nccl" or a Transport object, see :func:`dispatch`). Parameters are drawn from ``seed`` for
+    all experts and sliced, so every world size builds the same model.
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        ffn: int,
+        num_experts: int,
+        top_k: int,
+        group: dist.ProcessGroup | None = None,
+        *,
+        exchange: str = "mxfp8",
+        transport: str | Transport = "nccl",
+        seed: int = 0,
+    ):
+        super().__init__()
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        if num_experts % world:
+            raise ValueError(
+                f"num_experts ({num_experts}) must be a multiple of the group size ({world})"
+            )
+        self.num_experts, self.top_k, self.group = num_experts, top_k, group
+        self.exchange = exchange
+        full = init_moe_weights(hidden, ffn, num_experts, seed)
+        local = slice(rank * num_experts // world, (rank + 1) * num_experts // world)
+        self.transport = transport
+        self.router = torch.nn.Parameter(full["router"])
+        self.w1 = torch.nn.Parameter(full["w1"][local].clone())
+        self.w2 = torch.nn.Parameter(full["w2"][local].clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(x @ self.router.to(x.dtype), self.top_k)
+        ex, counts, handle = dispatch(
+            x, ids, self.num_experts, self.group, exchange=self.exchange, transport=self.transport
+        )
+        ey = expert_mlp(ex, self.w1.to(ex.dtype), self.w2.to(ex.dtype), counts)
+        return combine(ey, weights, handle)
+
+
+def init_moe_weights(hidden: int, ffn: int, num_experts: int, seed: int) -> dict[str, torch.Tensor]:
+    """All experts' weights, fp32 on CPU: router [H, E], w1 [E, H, F], w2 [E, F, H]."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "router": torch.randn(hidden, num_experts, generator=g) * hidden**-0.5,
+        "w1": torch.randn(num_experts, hidden, ffn, generator=g) * hidden**-0.5,
+        "w2": torch.randn(num_experts, ffn, hidden, generator=g) * ffn**-0.5,
+    }
