@@ -5,7 +5,8 @@ bound by it), bf16 vs MXFP8.
 
 For each case, ``--calls`` calls back to back (after warm-up), timed on the host clock
 without synchronizing inside the loop; the median per call over ``--repeats`` loops, max
-over ranks. Cases: no-grad forward, forward with grad, forward+backward. On one GPU the
+over ranks. bf16 is torch's differentiable all_to_all_single (what dispatch's bf16 exchange
+calls). Cases: no-grad forward, forward with grad, forward+backward. On one GPU the
 group has one rank (the exchange goes through the same kernels and collective calls, with
 no traffic): it measures host time, not speed. MXFP8_A2A_PUBLIC_LAUNCH=1 times the public
 Triton launch path (see mxfp8_a2a/formats/launch.py).
@@ -14,18 +15,35 @@ Triton launch path (see mxfp8_a2a/formats/launch.py).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-from bench_a2a import _Bf16AllToAll, make_splits
+import torch.distributed._functional_collectives as funcol
 from common import parse_shape, versions, write_json
 from tabulate import tabulate
 
 import mxfp8_a2a as mx
-from mxfp8_a2a._torchrun import init_from_torchrun
-from mxfp8_a2a.formats.launch import fast_launch_enabled
+
+try:
+    from mxfp8_a2a.formats.launch import fast_launch_enabled
+except ImportError:  # a version of the package without it (comparisons across versions)
+
+    def fast_launch_enabled() -> str:
+        return "n/a"
+
+
+def init_from_torchrun() -> torch.device:
+    """NCCL with one GPU per process (LOCAL_RANK) where CUDA is present, gloo otherwise."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+        return device
+    dist.init_process_group("gloo")
+    return torch.device("cpu")
 
 
 def per_call_us(fn, calls: int, repeats: int, device) -> float:
@@ -49,13 +67,16 @@ def per_call_us(fn, calls: int, repeats: int, device) -> float:
 
 def time_shape(text: str, world: int, rank: int, device, calls: int, repeats: int) -> dict:
     tokens, dim = parse_shape(text)
-    splits = make_splits(tokens, world, rank, "equal")
+    splits = [tokens // world] * world
+    splits[rank] += tokens - sum(splits)
     out_splits = mx.compute_output_splits(splits)
     x = torch.randn(tokens, dim, device=device, dtype=torch.bfloat16)
     xg = x.clone().requires_grad_(True)
     grad = torch.randn(sum(out_splits), dim, device=device, dtype=torch.bfloat16)
     fns = {
-        "bf16": lambda t: _Bf16AllToAll.apply(t, out_splits, splits),
+        "bf16": lambda t: funcol.wait_tensor(
+            funcol.all_to_all_single_autograd(t, out_splits, splits, dist.group.WORLD)
+        ),
         "mxfp8": lambda t: mx.to_mxfp8_a2a_dequant(t, out_splits, splits),
     }
     out = {}
