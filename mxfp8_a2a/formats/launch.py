@@ -5,9 +5,12 @@ Python on each call: about 30 us of host time per launch on the H200 machines' C
 the compiled kernel's own launcher takes about 13 us (BENCHMARKS.md). An exchange launches
 two or three kernels, and small exchanges are bound by host time. So, on the Triton versions
 in ``FAST_TRITON`` (the ones this path has run on, on a GPU), :func:`launch` keeps the
-``CompiledKernel`` that the first ``kernel[grid](...)`` returned and calls it again as
-``compiled[grid](*args, stream=...)``. Everywhere else, under the interpreter, and with
-``MXFP8_A2A_PUBLIC_LAUNCH=1`` in the environment, every launch is ``kernel[grid](...)``.
+``CompiledKernel`` that the first ``kernel[grid](...)`` returned (alive in the cache) and calls
+its C launcher directly, with tensors passed as their addresses: ``CompiledKernel.run``'s
+positional convention is Triton's internal one, hence the version gate. With Triton's launch
+hooks set (a profiler) it goes through ``compiled[grid](...)``, which builds the hooks'
+metadata. Everywhere else, under the interpreter, and with ``MXFP8_A2A_PUBLIC_LAUNCH=1`` in the
+environment, every launch is the public ``kernel[grid](...)``.
 
 The cache key holds what Triton specializes a kernel on: for each tensor its dtype and
 whether its address is 16-byte aligned, for each int whether it equals 1, is a multiple of
@@ -22,6 +25,7 @@ import os
 
 import torch
 import triton
+from triton import knobs
 
 from .._common import interpreted
 
@@ -30,6 +34,9 @@ CACHE_SIZE = 256
 PUBLIC_LAUNCH_ENV = "MXFP8_A2A_PUBLIC_LAUNCH"
 
 _COMPILED: dict[tuple, object] = {}
+# the current stream's handle without building a torch.cuda.Stream (~3 us less per launch);
+# torch's public current_stream() where the private accessor is missing
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def fast_launch_enabled() -> bool:
@@ -70,8 +77,24 @@ def launch(kernel, grid: int, args: tuple, consts: dict, num_warps: int) -> None
             _COMPILED.clear()
         _COMPILED[key] = kernel[(grid,)](*args, **consts, num_warps=num_warps)
         return
-    stream = torch.cuda.current_stream(device).cuda_stream
-    compiled[(grid, 1, 1)](*args, *consts.values(), stream=stream)
+    if _raw_stream is not None:
+        stream = _raw_stream(device.index)
+    else:
+        stream = torch.cuda.current_stream(device).cuda_stream
+    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    if _hook_set(enter) or _hook_set(leave):
+        compiled[(grid, 1, 1)](*args, *consts.values(), stream=stream)
+        return
+    values = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
+    compiled.run(
+        grid, 1, 1, stream, compiled.function, compiled.packed_metadata, None, enter, leave,
+        *values, *consts.values(),
+    )  # fmt: skip
+
+
+def _hook_set(hook: object) -> bool:
+    """Whether a Triton launch hook is set: None or an empty HookChain (by version) is not."""
+    return hook is not None and bool(getattr(hook, "calls", True))
 
 
 def launch_tiles(
