@@ -42,26 +42,32 @@ COPY_ENGINE_RANGE_BYTES = 128 << 20
 COPY_ENGINE_MAX_RANGES = 2
 
 # Per-group FP8 scaling (mxfp8_a2a/grouped/), see the kernels' comments there.
-# Rowwise, row-block kernel: one program per work item (a block of rows, one group); the
-# launcher picks the block (a power of two) so that an item holds about ``item`` elements for a
-# group of average width. Tiles span the whole group along the columns (a power of two from
-# ``min_group`` to ``max_class``) times ``tile`` / that rows; wider groups loop (two passes)
-# over tiles of ``tile`` elements.
-# Colwise, group-item kernel: a program holds one tile of ``tile`` elements: the whole group
-# along the rows (a power of two from ``min_group`` up) times tile / that columns, down to
-# ``tile >> (n_classes - 1) // min_group`` columns (at least 16 so that reads of a row-major
-# x stay coalesced); longer groups loop in [loop_other, loop_group] tiles.
+# Row-block kernel (kernels.py; groups along the contiguous axis of x and of the data, e.g.
+# rowwise scales of a row-major x): one program per work item (a block of rows, one group);
+# the launcher picks the block (a power of two) so that an item holds about ``item`` elements
+# for a group of average width. Tiles span the whole group along the columns (a power of two
+# from ``min_group`` to ``max_class``) times ``tile`` / that rows; wider groups loop (two
+# passes) over tiles of ``tile`` elements.
 # Values: best of scripts/tune_per_group.py on an H200 (torch 2.11, triton 3.6), x (16640,
-# 8192) bf16 with 1/16/64 groups; tables in BENCHMARKS.md. Rowwise: the best worst case of
-# three interleaved rounds (110.9 / 138.7 / 142.5 us); a widest class of 256 measured 134 us
-# at 16 groups but 150 at 64. A persistent row-block kernel with the colwise layout measured
-# 312/468/486 us at best against 348/363/347 for the group-item kernel, so colwise keeps the
-# latter.
-# Rowwise registers: capped at 64 per thread (72-80 by the compiler's choice): 8 programs of 4
-# warps per SM instead of 6-7, no spills; three interleaved rounds over three offset draws
-# (H200): 101.5-102.1 / 111.2-113.1 / 122.7-131.3 us at 1 / 16 / 64 groups, against
+# 8192) bf16 with 1/16/64 groups; tables in BENCHMARKS.md. The best worst case of three
+# interleaved rounds (110.9 / 138.7 / 142.5 us); a widest class of 256 measured 134 us at 16
+# groups but 150 at 64.
+# Registers: capped at 64 per thread (72-80 by the compiler's choice): 8 programs of 4 warps
+# per SM instead of 6-7, no spills; three interleaved rounds over three offset draws (H200,
+# 2026-11-30): 101.5-102.1 / 111.2-113.1 / 122.7-131.3 us at 1 / 16 / 64 groups, against
 # 111.0-114.4 / 134.1-138.2 / 135.5-142.5 uncapped; 56 measured within 4% of 64, 48 and 40
 # slower at 64 groups (150-201 us).
+#
+# Chunk kernel (kernels_colwise.py; every other layout, e.g. colwise scales of a row-major x
+# with row- or column-major data, the grad_w operands of a grouped GEMM): tiles of
+# ``block_other`` x ``block_group`` elements, read twice (the second time from L2) by programs
+# ``lag`` tickets apart. The launcher makes a super-strip of up to ``max_strips`` strips whose
+# tiles take at most ``l2_bytes`` and lags by one super-strip plus ``margin_per_sm`` items per
+# SM (what is live between the two reads: about (lag + resident programs) tiles).
+# Values: the design's starting point (16 KB tiles of 4 warps, about a third of the 50 MB L2
+# live), before any GPU measurement.
+# Replaced (2026-11-30 design, group-item kernel: whole group per tile, persistent): 370 / 294 /
+# 219 us at 1 / 16 / 64 groups on an H200 for colwise (16640, 8192), 1.1-1.9 TB/s effective.
 
 
 class RowBlockTiling(NamedTuple):
@@ -77,31 +83,33 @@ class RowBlockTiling(NamedTuple):
         return (self.max_class // self.min_group).bit_length()
 
 
-class GroupItemTiling(NamedTuple):
-    tile: int
-    min_group: int
-    n_classes: int
-    loop_other: int
-    loop_group: int
+class ChunkTiling(NamedTuple):
+    block_other: int
+    block_group: int
     num_warps: int
-    programs_per_sm: int
+    l2_bytes: int
+    max_strips: int
+    margin_per_sm: int
+    maxnreg: int = 0
 
 
 ROWWISE_TILING = RowBlockTiling(
     tile=4096, item=8192, min_group=32, max_class=512, num_warps=4, maxnreg=64
 )  # fmt: skip
-COLWISE_TILING = GroupItemTiling(
-    tile=16384, min_group=16, n_classes=7, loop_other=16, loop_group=512, num_warps=4,
-    programs_per_sm=4,
+COLWISE_TILING = ChunkTiling(
+    block_other=64, block_group=128, num_warps=4, l2_bytes=16 << 20, max_strips=8,
+    margin_per_sm=4,
 )  # fmt: skip
 # The interpreter (CPU tests): few classes, so that tests of a few hundred rows run every
-# class and the loop; large tiles, as its cost is per operation.
+# class and the loop; small chunk tiles and super-strips of up to 4 strips, so that they run
+# several strips, chunks and super-strips (the last one partial). Its margin counts items.
 INTERPRET_ROWWISE_TILING = RowBlockTiling(1024, 1024, 16, 128, 4)
-INTERPRET_COLWISE_TILING = GroupItemTiling(1024, 8, 4, 16, 32, 4, 1)
+INTERPRET_COLWISE_TILING = ChunkTiling(16, 32, 4, 1 << 30, 4, 2)
 
 
-def per_group_tiling(group_dim: int, interpreted: bool) -> RowBlockTiling | GroupItemTiling:
-    """Tiling for groups along dim ``group_dim`` (1: rowwise scales, 0: colwise)."""
+def per_group_tiling(group_dim: int, interpreted: bool) -> RowBlockTiling | ChunkTiling:
+    """Tiling of the kernel for groups along dim ``group_dim`` (1: the row-block kernel,
+    0: the chunk kernel)."""
     if interpreted:
         return INTERPRET_ROWWISE_TILING if group_dim == 1 else INTERPRET_COLWISE_TILING
     return ROWWISE_TILING if group_dim == 1 else COLWISE_TILING

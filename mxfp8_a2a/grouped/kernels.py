@@ -1,5 +1,7 @@
-"""Triton kernels of the per-group FP8 scaling; see per_group_scales.py for the launchers
-and reference.py for the definition they match."""
+"""Triton kernels of the per-group FP8 scaling, rowwise: the row-block kernel (groups along
+the contiguous axis of x and of the data), and the helpers it shares with the chunk kernel
+(kernels_colwise.py). See per_group_scales.py for the launchers and reference.py for the
+definition they match."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ SCALE_AT_EPS = tl.constexpr(
 
 # ---------------------------------------------------------------------------- kernels
 #
-# Both kernels see x as [other, group] through strides: the "group" axis is the one ``offs``
+# The kernels see x as [other, group] through strides: the "group" axis is the one ``offs``
 # cuts (columns for rowwise, rows for colwise), the "other" axis has one scale per index.
 #
 # Rowwise (``_row_block_kernel``, groups along the contiguous axis): one program per work item
@@ -162,6 +164,17 @@ def _group_classes(
 
 
 @triton.jit
+def _zero_fill(data_ptr, o_start, o_end, i0, i1, sdo, sdg, INT64: tl.constexpr,
+               BLOCK_O: tl.constexpr, BLOCK_G: tl.constexpr):  # fmt: skip
+    """e4m3 zeros in [o_start, o_end) x [i0, i1) (indices no group covers)."""
+    for o0 in range(o_start, o_end, BLOCK_O):
+        for s in range(i0, i1, BLOCK_G):
+            o, i, mask = _tile(o0, s, i0, i1, o_end, BLOCK_O, BLOCK_G)
+            zero = tl.zeros((BLOCK_O, BLOCK_G), dtype=tl.uint8)
+            tl.store(data_ptr + _offsets(o, i, sdo, sdg, INT64), zero, mask=mask)
+
+
+@triton.jit
 def _row_block_kernel(
     x_ptr, offs_ptr, scale_ptr, data_ptr, n_other, extent, n_groups, sxo, sxg, sdo, sdg,
     ROUND_POW2: tl.constexpr, SOFT: tl.constexpr, INT64: tl.constexpr, ALIGN: tl.constexpr,
@@ -172,15 +185,19 @@ def _row_block_kernel(
     scale: fp32 [n_groups, n_other]. Grid: cdiv(n_other, BLOCK) * n_groups programs.
 
     Program t handles other-axis block t // n_groups of BLOCK indices and group t % n_groups
-    (neighbouring programs read neighbouring groups of the same rows). Bounds are clamped to
-    [previous end, extent], so bad offsets cannot reach outside x or data. A group's tiles
-    start at its start rounded down to ALIGN; groups whose bounds are multiples of ALIGN get
-    their own copy of the code, in which the compiler sees that alignment and moves whole
-    vectors."""
+    (neighbouring programs read neighbouring groups of the same rows). Offsets are clamped
+    into [0, extent] and made non-decreasing (running maximum), as in reference.py, so bad
+    ones cannot reach outside x or data; the last group's programs also write zeros past its
+    end (indices no group covers). A group's tiles start at its start rounded down to ALIGN;
+    groups whose bounds are multiples of ALIGN get their own copy of the code, in which the
+    compiler sees that alignment and moves whole vectors."""
     t = tl.program_id(0)
     g = t % n_groups
     o_start = t // n_groups * BLOCK
-    start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0)
+    start = 0
+    for j0 in range(0, g, 128):  # start: the running maximum of the offsets before g
+        j = j0 + tl.arange(0, 128)
+        start = tl.maximum(start, tl.max(tl.load(offs_ptr + j, mask=j < g, other=0), axis=0))
     start = tl.minimum(tl.maximum(start, 0), extent)
     end = tl.maximum(tl.minimum(tl.load(offs_ptr + g), extent), start)
     if ALIGN == 1:
@@ -201,130 +218,9 @@ def _row_block_kernel(
             n_other, sxo, sxg, sdo, sdg, ROUND_POW2, SOFT, INT64, BLOCK, TILE,
             MIN_GROUP, N_CLASSES,
         )  # fmt: skip
-
-
-# ---------------------------------------------------------------------------- colwise kernel
-#
-# Colwise (groups along the rows of a row-major x) with work items (group, tile): a program
-# takes one item and keeps a tile of TILE elements in registers, so x is read once: the tile
-# spans the whole group along the group axis (the power of two >= the group's extent, at
-# least MIN_GROUP: its size class) and TILE / that along the other axis. Groups longer than
-# the largest class fall to a loop over the group in [LOOP_OTHER, LOOP_GROUP] tiles: an amax
-# pass, then a second read for the data. (The row-block kernel above measured slower for
-# this layout at 16 and 64 groups on an H200, BENCHMARKS.md.)
-
-
-@triton.jit
-def _load_tile(x_ptr, o, i, mask, sxo, sxg, SOFT: tl.constexpr):
-    ptrs = x_ptr + o[:, None].to(tl.int64) * sxo + i[None, :].to(tl.int64) * sxg
-    return to_fp32(tl.load(ptrs, mask=mask, other=0.0), SOFT)
-
-
-@triton.jit
-def _store_tile(data_ptr, o, i, mask, y, sdo, sdg, SOFT: tl.constexpr):
-    ptrs = data_ptr + o[:, None].to(tl.int64) * sdo + i[None, :].to(tl.int64) * sdg
-    tl.store(ptrs, _e4m3_bits(y, SOFT), mask=mask)
-
-
-@triton.jit
-def _group_tile(
-    x_ptr, scale_ptr, data_ptr, g, lo, start, end, o0, n_other, sxo, sxg, sdo, sdg,
-    ROUND_POW2: tl.constexpr, SOFT: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_G: tl.constexpr,
-):  # fmt: skip
-    """The whole group [start, end) (a tile from lo <= start) for BLOCK_O indices of the
-    other axis, one read."""
-    o = o0 + tl.arange(0, BLOCK_O)
-    i = lo + tl.arange(0, BLOCK_G)
-    omask = o < n_other
-    mask = omask[:, None] & ((i >= start) & (i < end))[None, :]
-    x = _load_tile(x_ptr, o, i, mask, sxo, sxg, SOFT)
-    scale = _scales(tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1), ROUND_POW2)
-    tl.store(scale_ptr + g * n_other + o, scale, mask=omask)
-    _store_tile(data_ptr, o, i, mask, x * scale[:, None], sdo, sdg, SOFT)
-
-
-@triton.jit
-def _group_loop(
-    x_ptr, scale_ptr, data_ptr, g, lo, start, end, o0, n_other, sxo, sxg, sdo, sdg,
-    ROUND_POW2: tl.constexpr, SOFT: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_G: tl.constexpr,
-):  # fmt: skip
-    """Same result for groups too long for one tile: amax pass, then the data pass."""
-    o = o0 + tl.arange(0, BLOCK_O)
-    omask = o < n_other
-    amax = tl.zeros((BLOCK_O,), dtype=tl.int32)
-    for s in range(lo, end, BLOCK_G):
-        i = s + tl.arange(0, BLOCK_G)
-        mask = omask[:, None] & ((i >= start) & (i < end))[None, :]
-        x = _load_tile(x_ptr, o, i, mask, sxo, sxg, SOFT)
-        amax = tl.maximum(amax, tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1))
-    scale = _scales(amax, ROUND_POW2)
-    tl.store(scale_ptr + g * n_other + o, scale, mask=omask)
-    for s in range(lo, end, BLOCK_G):
-        i = s + tl.arange(0, BLOCK_G)
-        mask = omask[:, None] & ((i >= start) & (i < end))[None, :]
-        x = _load_tile(x_ptr, o, i, mask, sxo, sxg, SOFT)
-        _store_tile(data_ptr, o, i, mask, x * scale[:, None], sdo, sdg, SOFT)
-
-
-@triton.jit
-def _group_item_kernel(
-    x_ptr, offs_ptr, scale_ptr, data_ptr, n_other, extent, n_groups, sxo, sxg, sdo, sdg,
-    ROUND_POW2: tl.constexpr, SOFT: tl.constexpr, ALIGN: tl.constexpr, TILE: tl.constexpr,
-    MIN_GROUP: tl.constexpr, N_CLASSES: tl.constexpr, LOOP_OTHER: tl.constexpr,
-    LOOP_GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr,
-):  # fmt: skip
-    """x: [other, group] through strides (sxo, sxg); data (uint8 e4m3 bits) likewise through
-    (sdo, sdg); offs: int32 [n_groups] end offsets along the group axis (length ``extent``);
-    scale: fp32 [n_groups, n_other].
-
-    Work items are (group, tile) pairs ordered by group; programs stride over them. A group's
-    tiles start at its start rounded down to ALIGN; its class c is the
-    smallest with span <= MIN_GROUP << c, giving cdiv(n_other, TILE // (MIN_GROUP << c))
-    tiles, or cdiv(n_other, LOOP_OTHER) for longer groups. Offsets are clamped to
-    [previous end, extent], so bad offsets cannot reach outside x or data."""
-    gi = tl.arange(0, BLOCK_GROUPS)
-    valid = gi < n_groups
-    ends = tl.minimum(tl.maximum(tl.load(offs_ptr + gi, mask=valid, other=0), 0), extent)
-    starts = tl.load(offs_ptr + gi - 1, mask=valid & (gi > 0), other=0)
-    starts = tl.minimum(tl.maximum(starts, 0), extent)
-    ends = tl.maximum(ends, starts)
-    los = starts // ALIGN * ALIGN
-    cls = tl.zeros((BLOCK_GROUPS,), dtype=tl.int32)
-    for j in tl.static_range(N_CLASSES):
-        cls += (ends - los > (MIN_GROUP << j)).to(tl.int32)
-    per_tile = tl.where(cls < N_CLASSES, (TILE // MIN_GROUP) >> cls, LOOP_OTHER)
-    tiles = tl.where(valid, (n_other + per_tile - 1) // per_tile, 0)
-    before = tl.cumsum(tiles, 0) - tiles
-    for item in range(tl.program_id(0), tl.sum(tiles, axis=0), tl.num_programs(0)):
-        g = tl.sum((before + tiles <= item).to(tl.int32), axis=0)
-        mine = gi == g
-        t = item - tl.sum(tl.where(mine, before, 0), axis=0)
-        c = tl.sum(tl.where(mine, cls, 0), axis=0)
-        lo = tl.sum(tl.where(mine, los, 0), axis=0) // ALIGN * ALIGN  # tells the compiler
-        start = tl.sum(tl.where(mine, starts, 0), axis=0)
-        end = tl.sum(tl.where(mine, ends, 0), axis=0)
-        for k in tl.static_range(N_CLASSES):
-            if c == k:
-                bo: tl.constexpr = TILE // (MIN_GROUP << k)
-                if ALIGN == 1:
-                    _group_tile(
-                        x_ptr, scale_ptr, data_ptr, g, lo, start, end, t * bo, n_other,
-                        sxo, sxg, sdo, sdg, ROUND_POW2, SOFT, bo, MIN_GROUP << k,
-                    )  # fmt: skip
-                elif (start % ALIGN == 0) & (end % ALIGN == 0):  # whole vectors: loads and
-                    a0 = start // ALIGN * ALIGN  # stores vectorize once the compiler
-                    a1 = end // ALIGN * ALIGN  # sees the alignment
-                    _group_tile(
-                        x_ptr, scale_ptr, data_ptr, g, a0, a0, a1, t * bo, n_other,
-                        sxo, sxg, sdo, sdg, ROUND_POW2, SOFT, bo, MIN_GROUP << k,
-                    )  # fmt: skip
-                else:
-                    _group_tile(
-                        x_ptr, scale_ptr, data_ptr, g, lo, start, end, t * bo, n_other,
-                        sxo, sxg, sdo, sdg, ROUND_POW2, SOFT, bo, MIN_GROUP << k,
-                    )  # fmt: skip
-        if c == N_CLASSES:
-            _group_loop(
-                x_ptr, scale_ptr, data_ptr, g, lo, start, end, t * LOOP_OTHER, n_other,
-                sxo, sxg, sdo, sdg, ROUND_POW2, SOFT, BLOCK_O=LOOP_OTHER, BLOCK_G=LOOP_GROUP,
-            )  # fmt: skip
+    zo: tl.constexpr = BLOCK if BLOCK < 16 else 16
+    if (g == n_groups - 1) & (end < extent):
+        _zero_fill(
+            data_ptr, o_start, tl.minimum(o_start + BLOCK, n_other), end, extent, sdo, sdg,
+            INT64, zo, TILE // zo,
+        )  # fmt: skip

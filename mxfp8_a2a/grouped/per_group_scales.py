@@ -1,10 +1,14 @@
 """FP8 e4m3 copies of jagged MoE tensors with one fp32 scale per (group, column) or
 (group, row), for FP8-rowwise grouped GEMMs.
 
-Layers: Triton kernels (kernels.py: ``_row_block_kernel`` for rowwise, ``_group_item_kernel``
-for colwise) -> launcher -> custom op ``mxfp8_a2a::per_group_scales`` ->
-``per_group_colwise_scales`` / ``per_group_rowwise_scales``. The definitions (loops over groups
-in plain torch) are in reference.py.
+Layers: two Triton kernels, both reading and writing any strides: the row-block kernel
+(kernels.py, groups along the contiguous axis of x and of the data) and the chunk kernel
+(kernels_colwise.py, every other layout) -> launcher -> custom op
+``mxfp8_a2a::per_group_scales`` -> ``per_group_colwise_scales`` / ``per_group_rowwise_scales``.
+Rowwise scales of x are colwise scales of x.t() (the same numbers, the data transposed), so
+each function can run either kernel without a copy ("direct": its own orientation;
+"transpose": the other one on the view x.t()); "auto" picks from the strides. The definitions
+(loops over groups in plain torch) are in reference.py.
 """
 
 from __future__ import annotations
@@ -14,11 +18,18 @@ import triton
 
 from .. import _config
 from .._common import resolve_backend, sm_count
-from .kernels import _group_item_kernel, _row_block_kernel
-from .reference import per_group_colwise_reference, per_group_rowwise_reference
+from .kernels import _row_block_kernel
+from .kernels_colwise import _chunk_kernel, lag_and_supers
+from .reference import (
+    DATA_LAYOUTS,
+    empty_data,
+    per_group_colwise_reference,
+    per_group_rowwise_reference,
+    scales_from_amax,
+)
 
 _METHODS = ("auto", "direct", "transpose")
-INT64_FROM = 2**31  # the rowwise kernel uses 64-bit element offsets from this extent up
+INT64_FROM = 2**31  # the kernels use 64-bit element offsets from this extent up
 MAX_ROW_BLOCK = 1024  # rows per rowwise item at most (each value compiles its own kernel)
 
 
@@ -38,64 +49,94 @@ def _extent(t: torch.Tensor) -> int:
 
 
 def _per_group_triton(
-    x: torch.Tensor, offs: torch.Tensor, pow2: bool, group_dim: int
+    x: torch.Tensor, offs: torch.Tensor, pow2: bool, group_dim: int, column_major: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Groups along ``group_dim``: data e4m3 shaped like x (row-major), scales fp32
-    (G, x.shape[1 - group_dim]). No host synchronization."""
+    """Groups along ``group_dim``: data e4m3 shaped like x (row-major, or column-major),
+    scales fp32 (G, x.shape[1 - group_dim]). group_dim 1 runs the row-block kernel, 0 the
+    chunk kernel. No host synchronization."""
     g = offs.numel()
     soft = x.device.type == "cpu"
     other_dim = 1 - group_dim
-    n_other = x.shape[other_dim]
+    n_other, extent = x.shape[other_dim], x.shape[group_dim]
+    data = empty_data(x.shape, "column_major" if column_major else "row_major", x.device)
     scales = torch.empty((g, n_other), dtype=torch.float32, device=x.device)
-    data = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
-    if not (g and n_other):
+    if g == 0 or extent == 0 or n_other == 0:  # nothing to read: no groups, or no indices
+        data.zero_()
+        scales.fill_(scales_from_amax(torch.zeros(()), pow2).item())
         return data.view(torch.float8_e4m3fn), scales
-    int64 = max(_extent(x), data.numel(), scales.numel()) >= INT64_FROM
     strides = (
         x.stride(other_dim),
         x.stride(group_dim),
         data.stride(other_dim),
         data.stride(group_dim),
     )
+    int64 = max(_extent(x), data.numel(), scales.numel()) >= INT64_FROM
     if group_dim == 1:
         t = _config.per_group_tiling(1, interpreted=soft)
-        block = _row_block(t, n_other, x.shape[1], g)
+        block = _row_block(t, n_other, extent, g)
         _row_block_kernel[(triton.cdiv(n_other, block) * g,)](
-            x, offs, scales, data, n_other, x.shape[1], g, *strides,
+            x, offs, scales, data, n_other, extent, g, *strides,
             ROUND_POW2=pow2, SOFT=soft, INT64=int64, ALIGN=16 if x.stride(1) == 1 else 1,
             BLOCK=block, TILE=t.tile, MIN_GROUP=t.min_group, N_CLASSES=t.n_classes,
             num_warps=t.num_warps, **({"maxnreg": t.maxnreg} if t.maxnreg and not soft else {}),
         )  # fmt: skip
     else:
         c = _config.per_group_tiling(0, interpreted=soft)
-        programs = 4 if soft else sm_count(x.device) * c.programs_per_sm  # persistent
-        _group_item_kernel[(programs,)](
-            x, offs, scales, data, n_other, x.shape[0], g, *strides,
-            ROUND_POW2=pow2, SOFT=soft, ALIGN=16 if x.stride(0) == 1 else 1,
-            TILE=c.tile, MIN_GROUP=c.min_group, N_CLASSES=c.n_classes,
-            LOOP_OTHER=c.loop_other, LOOP_GROUP=c.loop_group,
-            BLOCK_GROUPS=max(2, triton.next_power_of_2(g)), num_warps=c.num_warps,
+        n_strips = triton.cdiv(n_other, c.block_other)
+        n_chunks = triton.cdiv(extent, c.block_group)
+        tile_bytes = c.block_other * c.block_group * x.element_size()
+        margin = c.margin_per_sm * (1 if soft else sm_count(x.device))
+        sps, lag = lag_and_supers(n_chunks, n_strips, tile_bytes, c.l2_bytes, c.max_strips, margin)
+        ws = torch.zeros(
+            1 + triton.cdiv(n_strips, sps) + g * n_other, dtype=torch.int32, device=x.device
+        )
+        int64 = int64 or ws.numel() >= INT64_FROM
+        _chunk_kernel[(n_chunks * n_strips + lag,)](
+            x, offs, scales, data, ws, n_other, extent, g, *strides, n_chunks, n_strips, sps, lag,
+            ROUND_POW2=pow2, SOFT=soft, INT64=int64, BO=c.block_other, BL=c.block_group,
+            BG=max(2, triton.next_power_of_2(g)), num_warps=c.num_warps,
+            **({"maxnreg": c.maxnreg} if c.maxnreg and not soft else {}),
         )  # fmt: skip
     return data.view(torch.float8_e4m3fn), scales
 
 
 @torch.library.custom_op("mxfp8_a2a::per_group_scales", mutates_args=())
 def _per_group_op(
-    x: torch.Tensor, offs: torch.Tensor, pow2: bool, group_dim: int
+    x: torch.Tensor, offs: torch.Tensor, pow2: bool, group_dim: int, column_major: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _per_group_triton(x, offs, pow2, group_dim)
+    return _per_group_triton(x, offs, pow2, group_dim, column_major)
 
 
 @_per_group_op.register_fake
-def _(x, offs, pow2, group_dim):
+def _(x, offs, pow2, group_dim, column_major):
     scales = x.new_empty((offs.numel(), x.shape[1 - group_dim]), dtype=torch.float32)
+    if column_major:
+        return x.new_empty(x.shape[::-1], dtype=torch.float8_e4m3fn).t(), scales
     return x.new_empty(x.shape, dtype=torch.float8_e4m3fn), scales
+
+
+def _contiguous_along(t: torch.Tensor, dim: int) -> bool:
+    return t.stride(dim) == 1 or t.shape[dim] <= 1
+
+
+def _triton(x, offs, pow2: bool, group_dim: int, method: str, data_layout: str):
+    """Run the kernel ``method`` names; "auto": the row-block kernel where the group axis is
+    contiguous in x and in the data, the chunk kernel everywhere else."""
+    column_major = data_layout == "column_major"
+    if method == "auto":
+        data_along_groups = column_major == (group_dim == 0)
+        row_block = _contiguous_along(x, group_dim) and data_along_groups
+        method = "direct" if row_block == (group_dim == 1) else "transpose"
+    if method == "direct":
+        return _per_group_op(x, offs, pow2, group_dim, column_major)
+    data, scales = _per_group_op(x.t(), offs, pow2, 1 - group_dim, not column_major)
+    return data.t(), scales
 
 
 # ---------------------------------------------------------------------------- public
 
 
-def _check(x: torch.Tensor, offs: torch.Tensor, dim: int, backend: str, validate: bool) -> str:
+def _check(x, offs, dim: int, backend: str, method: str, data_layout: str, validate: bool) -> str:
     if x.dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"x must be bfloat16 or float32, got {x.dtype}")
     if x.dim() != 2:
@@ -104,6 +145,10 @@ def _check(x: torch.Tensor, offs: torch.Tensor, dim: int, backend: str, validate
         raise TypeError("offs must be a 1-D int32 tensor of group end offsets")
     if offs.device != x.device:
         raise ValueError(f"offs ({offs.device}) must be on x's device ({x.device})")
+    if method not in _METHODS:
+        raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
+    if data_layout not in DATA_LAYOUTS:
+        raise ValueError(f"data_layout must be one of {DATA_LAYOUTS}, got {data_layout!r}")
     if validate:
         _check_values(offs, x.shape[dim], dim)
     return resolve_backend(backend, x.device, _row_block_kernel)
@@ -121,31 +166,46 @@ def _check_values(offs: torch.Tensor, extent: int, dim: int) -> None:
         )
 
 
+_DOC_COMMON = """
+    Args:
+        round_scales_to_power_of_2: round each scale down to a power of two.
+        backend: "auto" (Triton on CUDA, torch on CPU), "triton", "torch".
+        method: which kernel (results are identical): "auto" picks from the strides (the
+            row-block kernel where the group axis is contiguous in x and in the data, the
+            chunk kernel otherwise; never a copy); "direct" runs this function's own
+            orientation on x, "transpose" the other one's on the view x.t().
+        data_layout: "row_major" (data contiguous) or "column_major" (data.t() contiguous),
+            written by the kernel directly.
+        validate: check the values of offs (non-decreasing, >= 0, offs[-1] == the group
+            axis' length) with a clear error; reads offs on the host, one synchronization.
+            With False nothing synchronizes (for hot loops and CUDA graphs), and every
+            backend gives the same defined result for any offs: offsets clamped into
+            [0, length] and made non-decreasing (running maximum), group g covering
+            [e[g-1], e[g]); indices past the last end belong to no group and get data 0;
+            empty offs give data 0 and scales with 0 rows.
+"""
+
+
 def per_group_colwise_scales(
     x: torch.Tensor,
     offs: torch.Tensor,
     *,
     round_scales_to_power_of_2: bool = False,
     backend: str = "auto",
+    method: str = "auto",
+    data_layout: str = "row_major",
     validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FP8 copy of x (M, K) with one scale per (group of rows, column).
 
-    Args:
-        x: bfloat16 or float32 (M, K), any strides.
-        offs: int32 [G] group end offsets along dim 0, non-decreasing, offs[-1] == M.
-        round_scales_to_power_of_2: round each scale down to a power of two.
-        backend: "auto" (Triton on CUDA, torch on CPU), "triton", "torch".
-        validate: check the values of offs (non-decreasing, offs[-1] == x.shape[0]) with a
-            clear error; reads offs on the host, one synchronization. With False nothing
-            synchronizes (for hot loops and CUDA graphs); the kernel then clamps offsets
-            into range, so bad ones give wrong groups but no out-of-bounds access.
-    Returns:
-        data float8_e4m3fn (M, K) row-major; scales float32 (G, K).
+    x: bfloat16 or float32 (M, K), any strides. offs: int32 [G] group end offsets along
+    dim 0, non-decreasing, offs[-1] == M. Returns data float8_e4m3fn (M, K) in
+    ``data_layout`` and scales float32 (G, K): data = e4m3(clamp(x * scale, +-448)),
+    scale = 448 / max(amax of the group's column, 1e-12) (reference.py).
     """
-    if _check(x, offs, 0, backend, validate) == "torch":
-        return per_group_colwise_reference(x, offs, round_scales_to_power_of_2)
-    return _per_group_op(x, offs, round_scales_to_power_of_2, 0)
+    if _check(x, offs, 0, backend, method, data_layout, validate) == "torch":
+        return per_group_colwise_reference(x, offs, round_scales_to_power_of_2, data_layout)
+    return _triton(x, offs, round_scales_to_power_of_2, 0, method, data_layout)
 
 
 def per_group_rowwise_scales(
@@ -155,27 +215,20 @@ def per_group_rowwise_scales(
     round_scales_to_power_of_2: bool = False,
     backend: str = "auto",
     method: str = "auto",
+    data_layout: str = "row_major",
     validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FP8 copy of x (N, M) with one scale per (group of columns, row).
 
-    Args:
-        x: bfloat16 or float32 (N, M); offs: int32 [G] end offsets along dim 1.
-        method: "direct" (one kernel over the row-major tensor), "transpose" (colwise
-            scales on a column-major copy, data transposed back) or "auto" ("direct",
-            the faster on H200, see BENCHMARKS.md).
-        validate: check the values of offs (non-decreasing, offs[-1] == x.shape[1]) with a
-            clear error; reads offs on the host, one synchronization. With False nothing
-            synchronizes (for hot loops and CUDA graphs); the kernel then clamps offsets
-            into range, so bad ones give wrong groups but no out-of-bounds access.
-    Returns:
-        data float8_e4m3fn (N, M) (column-major storage for "transpose"); scales float32 (G, N).
+    x: bfloat16 or float32 (N, M), any strides. offs: int32 [G] group end offsets along
+    dim 1, non-decreasing, offs[-1] == M. Returns data float8_e4m3fn (N, M) in
+    ``data_layout`` and scales float32 (G, N). The same numbers as
+    per_group_colwise_scales(x.t(), offs) with the data transposed.
     """
-    if method not in _METHODS:
-        raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
-    if _check(x, offs, 1, backend, validate) == "torch":
-        return per_group_rowwise_reference(x, offs, round_scales_to_power_of_2)
-    if method == "transpose":
-        data, scales = _per_group_op(x.t().contiguous(), offs, round_scales_to_power_of_2, 0)
-        return data.t(), scales
-    return _per_group_op(x, offs, round_scales_to_power_of_2, 1)
+    if _check(x, offs, 1, backend, method, data_layout, validate) == "torch":
+        return per_group_rowwise_reference(x, offs, round_scales_to_power_of_2, data_layout)
+    return _triton(x, offs, round_scales_to_power_of_2, 1, method, data_layout)
+
+
+per_group_colwise_scales.__doc__ += _DOC_COMMON
+per_group_rowwise_scales.__doc__ += _DOC_COMMON

@@ -5,6 +5,12 @@ Scales are multipliers: scale = 448 / max(amax, 1e-12), amax in the input dtype,
 division in float64 rounded to float32 (optionally rounded down to a power of two);
 data = clamp(x * scale, -448, 448) in fp32, cast to e4m3 (NaN stays NaN). An empty group
 gets scale fp32(448 / 1e-12).
+
+Offsets: group g covers [e[g-1], e[g]) (e[-1] = 0) of the group axis (length ``extent``),
+where e is offs clamped into [0, extent] and made non-decreasing by a running maximum. For
+valid offsets (non-decreasing, in range, offs[-1] == extent) that is offs itself; bad ones
+(with validate=False) give this defined partition, identical in every backend. Indices past
+e[-1] belong to no group: their data is 0. No groups (empty offs): all data 0, scales (0, n).
 """
 
 from __future__ import annotations
@@ -29,18 +35,37 @@ def _to_e4m3(y: torch.Tensor) -> torch.Tensor:
     return y.to(torch.float8_e4m3fn)
 
 
-def _bounds(offs: torch.Tensor) -> list[tuple[int, int]]:
-    ends = offs.tolist()
-    return list(zip([0] + ends[:-1], ends, strict=True))
+def group_bounds(offs: torch.Tensor, extent: int) -> list[tuple[int, int]]:
+    """[(start, end)] of each group: offs clamped into [0, extent], running maximum."""
+    ends = offs.to(torch.int64).clamp(0, extent)
+    ends = (ends.cummax(0).values if ends.numel() else ends).tolist()
+    return list(zip([0, *ends][: len(ends)], ends, strict=True))
+
+
+DATA_LAYOUTS = ("row_major", "column_major")
+
+
+def empty_data(shape, data_layout: str, device) -> torch.Tensor:
+    """A 2-D uint8 tensor of ``shape``: "row_major" (contiguous) or "column_major" (its .t()
+    contiguous)."""
+    if data_layout not in DATA_LAYOUTS:
+        raise ValueError(f"data_layout must be one of {DATA_LAYOUTS}, got {data_layout!r}")
+    if data_layout == "column_major":
+        return torch.empty(shape[::-1], dtype=torch.uint8, device=device).t()
+    return torch.empty(shape, dtype=torch.uint8, device=device)
 
 
 def per_group_colwise_reference(
-    x: torch.Tensor, offs: torch.Tensor, round_scales_to_power_of_2: bool = False
+    x: torch.Tensor,
+    offs: torch.Tensor,
+    round_scales_to_power_of_2: bool = False,
+    data_layout: str = "row_major",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Loop over groups of rows: x (M, K), offs int32 [G] -> (e4m3 (M, K), fp32 (G, K))."""
-    data = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    """Loop over groups of rows: x (M, K), offs int32 [G] -> (e4m3 (M, K) in ``data_layout``,
+    fp32 (G, K))."""
+    data = empty_data(x.shape, data_layout, x.device).zero_().view(torch.float8_e4m3fn)
     scales = []
-    for lo, hi in _bounds(offs):
+    for lo, hi in group_bounds(offs, x.shape[0]):
         part = x[lo:hi]
         amax = part.abs().amax(0) if hi > lo else x.new_zeros(x.shape[1])
         s = scales_from_amax(amax.float(), round_scales_to_power_of_2)
@@ -52,8 +77,15 @@ def per_group_colwise_reference(
 
 
 def per_group_rowwise_reference(
-    x: torch.Tensor, offs: torch.Tensor, round_scales_to_power_of_2: bool = False
+    x: torch.Tensor,
+    offs: torch.Tensor,
+    round_scales_to_power_of_2: bool = False,
+    data_layout: str = "row_major",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Loop over groups of columns: x (N, M), offs int32 [G] -> (e4m3 (N, M), fp32 (G, N))."""
-    data, scales = per_group_colwise_reference(x.t(), offs, round_scales_to_power_of_2)
+    """Loop over groups of columns: x (N, M), offs int32 [G] -> (e4m3 (N, M) in
+    ``data_layout``, fp32 (G, N))."""
+    swapped = "column_major" if data_layout == "row_major" else "row_major"
+    if data_layout not in DATA_LAYOUTS:
+        raise ValueError(f"data_layout must be one of {DATA_LAYOUTS}, got {data_layout!r}")
+    data, scales = per_group_colwise_reference(x.t(), offs, round_scales_to_power_of_2, swapped)
     return data.t(), scales
