@@ -8,7 +8,7 @@ Layers (one subpackage each):
                  compute_output_splits; transports: "nccl" (default), CopyEngineTransport
     moe       -- dispatch, combine, ExpertParallelMoE
     grouped   -- per_group_colwise_scales, per_group_rowwise_scales (FP8 scaling of jagged
-                 tensors for grouped GEMMs)
+                 tensors for grouped GEMMs), grouped_mm (the experts' grouped GEMMs)
 """
 
 from .exchange import (
@@ -31,7 +31,7 @@ from .formats import (
     quantize_reference,
     unpack,
 )
-from .grouped import per_group_colwise_scales, per_group_rowwise_scales
+from .grouped import grouped_mm, per_group_colwise_scales, per_group_rowwise_scales
 from .moe import ExpertParallelMoE, combine, dispatch
 
 __all__ = [
@@ -45,6 +45,7 @@ __all__ = [
     "dequantize_packed",
     "dequantize_reference",
     "dispatch",
+    "grouped_mm",
     "pack",
     "packed_row_bytes",
     "per_group_colwise_scales",

@@ -1,9 +1,10 @@
 """ExpertParallelMoE: a MoE layer on dispatch/combine (softmax top-k router, gelu expert MLPs).
 
-A real layer, not only an example: the training script and the MoE benchmark build on it,
-and its experts are where the grouped GEMMs go. Its weights are drawn for all experts from one
-seed and sliced, so every world size builds the same model (tests compare against a
-single-process definition).
+A real layer, not only an example: the training script and the MoE benchmark build on it.
+Its experts run as two grouped GEMMs (:func:`mxfp8_a2a.grouped_mm`) over the rows dispatch
+returns, with dispatch's end offsets on the device (no per-expert host list). Its weights are
+drawn for all experts from one seed and sliced, so every world size builds the same model
+(tests compare against a single-process definition).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ..exchange.transport import Transport
+from ..grouped.grouped_mm import PRECISIONS, grouped_mm
 from .dispatch import combine, dispatch
 
 
@@ -22,16 +24,6 @@ def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]
     return weights / weights.sum(-1, keepdim=True), ids
 
 
-def expert_mlp(
-    x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, counts: list[int]
-) -> torch.Tensor:
-    """Row groups of x [N, H] (sizes ``counts``) through experts w1 [L, H, F], w2 [L, F, H]."""
-    outs = [
-        torch.nn.functional.gelu(xe @ w1[e]) @ w2[e] for e, xe in enumerate(torch.split(x, counts))
-    ]
-    return torch.cat(outs) if outs else x.new_empty((0, w2.shape[-1]))
-
-
 class ExpertParallelMoE(torch.nn.Module):
     """A MoE layer with experts spread over the ranks of ``group``.
 
@@ -39,8 +31,11 @@ class ExpertParallelMoE(torch.nn.Module):
     world experts, gelu MLPs hidden -> ffn -> hidden, weights w1 [L, hidden, ffn] and
     w2 [L, ffn, hidden]. Forward: x [T, hidden] -> [T, hidden]. ``exchange`` picks "mxfp8"
     or "bf16" for dispatch and combine, ``transport`` how the MXFP8 exchanges move rows
-    ("nccl" or a Transport object, see :func:`dispatch`). Parameters are drawn from ``seed`` for
-    all experts and sliced, so every world size builds the same model.
+    ("nccl" or a Transport object, see :func:`dispatch`). ``precision`` picks the experts'
+    grouped GEMMs: "bf16" (unscaled, in the activations' dtype) or "fp8_rowwise" (e4m3
+    operands with rowwise fp32 scales on sm_90+ GPUs, the plain-torch reference on CPU;
+    hidden and ffn multiples of 16). Parameters are drawn from ``seed`` for all experts and
+    sliced, so every world size builds the same model.
     """
 
     def __init__(
@@ -53,16 +48,24 @@ class ExpertParallelMoE(torch.nn.Module):
         *,
         exchange: str = "mxfp8",
         transport: str | Transport = "nccl",
+        precision: str = "bf16",
         seed: int = 0,
     ):
         super().__init__()
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        if precision == "fp8_rowwise" and (hidden % 16 or ffn % 16):
+            raise ValueError(
+                f"precision='fp8_rowwise' needs hidden and ffn multiples of 16, got {hidden} "
+                f"and {ffn}"
+            )
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         if num_experts % world:
             raise ValueError(
                 f"num_experts ({num_experts}) must be a multiple of the group size ({world})"
             )
         self.num_experts, self.top_k, self.group = num_experts, top_k, group
-        self.exchange = exchange
+        self.exchange, self.precision = exchange, precision
         full = init_moe_weights(hidden, ffn, num_experts, seed)
         local = slice(rank * num_experts // world, (rank + 1) * num_experts // world)
         self.transport = transport
@@ -72,11 +75,18 @@ class ExpertParallelMoE(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(x @ self.router.to(x.dtype), self.top_k)
-        ex, counts, handle = dispatch(
+        ex, _, handle = dispatch(
             x, ids, self.num_experts, self.group, exchange=self.exchange, transport=self.transport
         )
-        ey = expert_mlp(ex, self.w1.to(ex.dtype), self.w2.to(ex.dtype), counts)
-        return combine(ey, weights, handle)
+        return combine(self.experts(ex, handle.expert_offsets), weights, handle)
+
+    def experts(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """This rank's experts on x [N, hidden], rows grouped by local expert with end offsets
+        ``offs`` (int32 [L] on x's device): gelu(x @ w1[e]) @ w2[e], in x's dtype."""
+        h = grouped_mm(x, self.w1.to(x.dtype), offs, precision=self.precision)
+        return grouped_mm(
+            torch.nn.functional.gelu(h), self.w2.to(x.dtype), offs, precision=self.precision
+        )
 
 
 def init_moe_weights(hidden: int, ffn: int, num_experts: int, seed: int) -> dict[str, torch.Tensor]:

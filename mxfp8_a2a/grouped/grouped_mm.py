@@ -1,0 +1,328 @@
+"""Grouped GEMMs of MoE experts: ``grouped_mm(x, w, offs, precision=...)``.
+
+x [M, K] holds rows grouped by expert (group e is rows offs[e-1]:offs[e]), w [E, K, N] the
+experts' weights: out[rows of e] = x[rows of e] @ w[e]. Layers: torch's grouped GEMMs
+(torch._grouped_mm, torch._scaled_grouped_mm) and the custom op ``mxfp8_a2a::grouped_mm_loop``
+(a per-expert loop) -> autograd Functions (_GroupedMM, _Fp8RowwiseGroupedMM) -> grouped_mm.
+The plain-torch definition is grouped_mm_reference.py.
+
+Layout rules of torch's CUDA grouped GEMMs (aten/src/ATen/native/cuda/GroupedBlas.cpp,
+GroupMMCommon.cuh, GroupedMMUtils.h in torch 2.11 and main), and how they are met here:
+- every operand row- or column-major with 16-byte aligned strides and data pointers: x and w
+  are made contiguous; bf16 needs K and N multiples of 8, FP8 multiples of 16 (FP8 also
+  checks mat_a.size(-1), mat_b.size(-2) and mat_b.size(-1) % 16 == 0); otherwise a
+  ValueError says what to pad;
+- FP8: mat_a row-major, mat_b column-major, fp32 scales (dequantization multipliers, the
+  reciprocals of the per-group kernels' scales), bf16 output, fewer than 1024 groups;
+  2-D x 3-D scales: scale_a [M], scale_b [E, N]; 2-D x 2-D: scale_a [E * K], scale_b [E * N];
+- 2-D x 2-D FP8 (grad_w, groups along the tokens, the contraction axis): each group but the
+  last must span a multiple of 16 tokens (TMA), and some torch versions assert every group
+  is non-empty. Token groups are therefore re-laid on the device into a zero-padded buffer
+  whose groups start on multiples of 16 and hold at least 16 tokens (static size
+  round_up(M, 16) + 16 E; zero tokens add nothing), with offsets computed on the device.
+  The bf16 2-D x 2-D GEMM reads x^T column-major and grad_out row-major, the layout for
+  which torch checks neither alignment nor non-empty groups, so it needs no padding.
+Nothing here reads offs on the host except the CPU loop and ``validate=True``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .grouped_mm_reference import grouped_mm_reference
+from .per_group_scales import per_group_colwise_scales, per_group_rowwise_scales
+
+PRECISIONS = ("bf16", "fp8_rowwise")
+MAX_GROUPS = 1023  # torch's CUTLASS grouped GEMMs: "Can't process more than 1024 groups"
+_BACKEND = "auto"  # of the per-group scaling calls (tests set "triton" under the interpreter)
+# The forward's mat_b straight from the per-group kernel's column-major output, a view with
+# expert stride K and column stride E*K (no copy). torch's meta checks accept it and its
+# kernel takes per-expert pointers and strides from the tensor; off until a GPU run of
+# test_gpu_fp8_strided_weights confirms it.
+_STRIDED_WEIGHTS = False
+_FP8 = torch.float8_e4m3fn
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    """t.contiguous(), spelled as a clone (which fake CUDA tensors on a CPU-only build of
+    torch also run, so that tests can trace this module's CUDA paths there)."""
+    return t if t.is_contiguous() else t.clone(memory_format=torch.contiguous_format)
+
+
+def _host_bounds(offs: torch.Tensor, extent: int) -> list[tuple[int, int]]:
+    """(start, end) of each group, read on the host; a ValueError unless the offsets are
+    non-decreasing, >= 0, and the last equals ``extent``."""
+    ends = offs.tolist()
+    starts = [0] + ends[:-1]
+    if any(b < a for a, b in zip(starts, ends, strict=True)):
+        raise ValueError(f"grouped_mm: offs must be non-decreasing and >= 0, got {ends}")
+    if ends[-1] != extent:
+        raise ValueError(
+            f"grouped_mm: offs[-1] must equal x.shape[0] = {extent} (the groups cover every "
+            f"row), got {ends[-1]}"
+        )
+    return list(zip(starts, ends, strict=True))
+
+
+def _padded_groups(offs: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Where each of the m rows goes in a buffer of ``cap`` rows whose groups start on
+    multiples of 16 and hold at least 16 rows, all on the device: (dest int64 [m], padded
+    end offsets int32 [E], cap). The last group takes the rest (at least 16 rows more than
+    it has)."""
+    # (narrow and index_select rather than indexing: fake CUDA tensors trace them on CPU)
+    e = offs.shape[0]
+    cap = (m + 15) // 16 * 16 + 16 * e
+    ends = offs.to(torch.int64)
+    zero = ends.new_zeros(1)
+    starts = torch.cat([zero, ends.narrow(0, 0, e - 1)])
+    padded = ((ends - starts + 15) // 16 * 16).clamp(min=16)
+    pad_ends = torch.cat([padded.narrow(0, 0, e - 1).cumsum(0), ends.new_full((1,), cap)])
+    pad_starts = torch.cat([zero, pad_ends.narrow(0, 0, e - 1)])
+    rows = torch.arange(m, device=offs.device)
+    group = torch.searchsorted(ends, rows, right=True).clamp(max=e - 1)
+    shift = (pad_starts - starts).index_select(0, group)
+    dest = (rows + shift).clamp(0, cap - 1)  # bad offsets: wrong rows, no out-of-bounds write
+    return dest, pad_ends.to(torch.int32), cap
+
+
+# ---------------------------------------------------------------------------- GEMMs
+
+
+@torch.library.custom_op("mxfp8_a2a::grouped_mm_loop", mutates_args=())
+def _loop_op(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """torch._grouped_mm's 2-D x 3-D and 2-D x 2-D cases as a loop over groups (offs read on
+    the host), each product in fp32 rounded once to a's dtype."""
+    if b.dim() == 3:  # a [M, K] rows grouped, b [E, K, N] -> [M, N]
+        out = a.new_empty((a.shape[0], b.shape[2]))
+        for e, (lo, hi) in enumerate(_host_bounds(offs, a.shape[0])):
+            out[lo:hi] = (a[lo:hi].float() @ b[e].float()).to(out.dtype)
+        return out
+    # a [K, M], b [M, N], groups along M -> [E, K, N]
+    out = a.new_zeros((offs.shape[0], a.shape[0], b.shape[1]))
+    for e, (lo, hi) in enumerate(_host_bounds(offs, a.shape[1])):
+        if hi > lo:
+            out[e] = (a[:, lo:hi].float() @ b[lo:hi].float()).to(out.dtype)
+    return out
+
+
+@_loop_op.register_fake
+def _(a, b, offs):
+    if b.dim() == 3:
+        return a.new_empty((a.shape[0], b.shape[2]))
+    return a.new_empty((offs.shape[0], a.shape[0], b.shape[1]))
+
+
+def _gmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, loop: bool) -> torch.Tensor:
+    return _loop_op(a, b, offs) if loop else torch._grouped_mm(a, b, offs=offs)
+
+
+def _scaled_gmm(a, b, scale_a, scale_b, offs) -> torch.Tensor:
+    """torch._scaled_grouped_mm: a e4m3 row-major, b e4m3 column-major, fp32 multipliers."""
+    return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs, out_dtype=torch.bfloat16)
+
+
+class _GroupedMM(torch.autograd.Function):
+    """Unscaled: torch._grouped_mm (CUDA, bf16) or the loop op, forward and backward."""
+
+    @staticmethod
+    def forward(ctx, x, w, offs, loop):
+        ctx.save_for_backward(x, w, offs)
+        ctx.loop = loop
+        if x.shape[0] == 0:
+            return x.new_empty((0, w.shape[2]))
+        return _gmm(x, w, offs, loop)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w, offs = ctx.saved_tensors
+        gx = gw = None
+        if x.shape[0] == 0:
+            gx, gw = torch.zeros_like(x), torch.zeros_like(w)
+        else:
+            grad = _contiguous(grad)
+            if ctx.needs_input_grad[0]:  # w^T: column-major (E, N, K)
+                gx = _gmm(grad, w.transpose(-2, -1), offs, ctx.loop)
+            if ctx.needs_input_grad[1]:  # x^T column-major, grad row-major: 2-D x 2-D
+                gw = _gmm(x.t(), grad, offs, ctx.loop)
+        return gx, gw, None, None
+
+
+# ---------------------------------------------------------------------------- FP8 operands
+
+
+def _scale_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """t [R, C] -> e4m3 [R, C] row-major with one scale per row, reciprocal scales fp32 [R]."""
+    whole = torch.full((1,), t.shape[1], dtype=torch.int32, device=t.device)
+    data, scales = per_group_rowwise_scales(t, whole, backend=_BACKEND, validate=False)
+    return _contiguous(data), scales.reshape(-1).reciprocal()
+
+
+def _weights_per_column(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [E, K, N] -> e4m3 [E, K, N] column-major, one scale per (expert, column of N):
+    reciprocals fp32 [E, N] (the forward's mat_b)."""
+    e, k, n = w.shape
+    offs_k = torch.arange(1, e + 1, dtype=torch.int32, device=w.device) * k
+    layout = "column_major" if _STRIDED_WEIGHTS else "row_major"
+    data, scales = per_group_colwise_scales(
+        w.reshape(e * k, n), offs_k, backend=_BACKEND, validate=False, data_layout=layout
+    )
+    if _STRIDED_WEIGHTS:  # (E*K, N) column-major viewed as (E, K, N), strides (K, 1, E*K)
+        return data.reshape(e, k, n), scales.reciprocal()
+    # column-major copy; a column-major output from the per-group kernel would save it
+    b = _contiguous(data.reshape(e, k, n).transpose(1, 2)).transpose(1, 2)
+    return b, scales.reciprocal()
+
+
+def _weights_per_row(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [E, K, N] -> w^T e4m3 [E, N, K] column-major (w's own row-major storage), one scale
+    per (expert, row of K): reciprocals fp32 [E, K] (grad_x's mat_b)."""
+    e, k, n = w.shape
+    data, inv = _scale_rows(w.reshape(e * k, n))
+    return data.view(e, k, n).transpose(1, 2), inv.view(e, k)
+
+
+def _scatter_tokens(t: torch.Tensor, dest: torch.Tensor, cap: int) -> torch.Tensor:
+    """e4m3 t [R, M] -> [R, cap] row-major, column m at dest[m], zeros elsewhere."""
+    out = torch.zeros((t.shape[0], cap), dtype=torch.uint8, device=t.device)
+    return out.index_copy(1, dest, t.view(torch.uint8)).view(_FP8)
+
+
+def _fp8_grad_w(x: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """grad_w [E, K, N] bf16: x^T (K, M) and grad^T (N, M) scaled per (group, row) along the
+    tokens, re-laid into 16-aligned non-empty groups, then one 2-D x 2-D FP8 GEMM."""
+    xt, sx = per_group_rowwise_scales(x.t(), offs, backend=_BACKEND, validate=False)
+    gt, sg = per_group_rowwise_scales(grad.t(), offs, backend=_BACKEND, validate=False)
+    dest, pad_offs, cap = _padded_groups(offs, x.shape[0])
+    a = _scatter_tokens(xt, dest, cap)  # (K, cap) row-major
+    b = _scatter_tokens(gt, dest, cap).t()  # (cap, N) column-major
+    return _scaled_gmm(a, b, sx.reciprocal().reshape(-1), sg.reciprocal().reshape(-1), pad_offs)
+
+
+class _Fp8RowwiseGroupedMM(torch.autograd.Function):
+    """FP8 e4m3 operands with fp32 rowwise scales through torch._scaled_grouped_mm."""
+
+    @staticmethod
+    def forward(ctx, x, w, offs):
+        ctx.save_for_backward(x, w, offs)
+        if x.shape[0] == 0:
+            return x.new_empty((0, w.shape[2]))
+        xq, xs = _scale_rows(x)
+        wq, ws = _weights_per_column(w)
+        return _scaled_gmm(xq, wq, xs, ws, offs).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w, offs = ctx.saved_tensors
+        if x.shape[0] == 0:
+            return torch.zeros_like(x), torch.zeros_like(w), None
+        grad = _contiguous(grad)
+        gx = gw = None
+        if ctx.needs_input_grad[0]:
+            gq, gs = _scale_rows(grad)
+            wq, ws = _weights_per_row(w)
+            gx = _scaled_gmm(gq, wq, gs, ws, offs).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            gw = _fp8_grad_w(x, grad, offs).to(w.dtype)
+        return gx, gw, None
+
+
+# ---------------------------------------------------------------------------- public
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _check(x, w, offs, precision: str) -> None:
+    if precision not in PRECISIONS:
+        raise ValueError(f"grouped_mm: precision must be one of {PRECISIONS}, got {precision!r}")
+    for name, t, dims in (("x", x, 2), ("w", w, 3)):
+        if not isinstance(t, torch.Tensor) or t.dim() != dims:
+            what = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"grouped_mm: {name} must be a {dims}-D tensor, got {what}")
+    dtypes = (torch.bfloat16, torch.float32) + ((torch.float16,) if precision == "bf16" else ())
+    if x.dtype not in dtypes or w.dtype != x.dtype:
+        raise TypeError(
+            f"grouped_mm: x and w must share one dtype of {dtypes} for precision="
+            f"{precision!r}, got {x.dtype} and {w.dtype}"
+        )
+    e, k, n = w.shape
+    if x.shape[1] != k:
+        raise ValueError(f"grouped_mm: x is [M, K={x.shape[1]}] but w is [E, K={k}, N={n}]")
+    if e < 1:
+        raise ValueError("grouped_mm: w must hold at least one expert")
+    if not isinstance(offs, torch.Tensor) or offs.dtype != torch.int32 or offs.shape != (e,):
+        got = (offs.dtype, tuple(offs.shape)) if isinstance(offs, torch.Tensor) else type(offs)
+        raise ValueError(
+            f"grouped_mm: offs must be an int32 tensor [E={e}] of group end offsets, got {got}"
+        )
+    if not (x.device == w.device == offs.device):
+        raise ValueError(
+            f"grouped_mm: x, w and offs must be on one device, got {x.device}, {w.device} "
+            f"and {offs.device}"
+        )
+    fp8 = precision == "fp8_rowwise"
+    multiple = 16 if fp8 else 16 // x.element_size()
+    if (fp8 or (x.is_cuda and x.dtype == torch.bfloat16)) and (k % multiple or n % multiple):
+        raise ValueError(
+            f"grouped_mm: precision={precision!r} needs K and N multiples of {multiple} (16-byte "
+            f"rows for the GEMM), got K={k}, N={n}: pad x's columns and w's rows to a multiple "
+            f"of {multiple} with zeros (K), and w's columns (N), slicing the output"
+        )
+    if x.is_cuda and e > MAX_GROUPS:
+        raise ValueError(f"grouped_mm: at most {MAX_GROUPS} experts on CUDA, got {e}")
+    if fp8 and x.is_cuda and not torch.compiler.is_compiling():
+        cap = _capability(x.device.index if x.device.index is not None else 0)
+        if cap < (9, 0):
+            raise RuntimeError(
+                f"grouped_mm: precision='fp8_rowwise' needs an sm_90+ GPU "
+                f"(torch._scaled_grouped_mm), got sm_{cap[0]}{cap[1]}; use precision='bf16'"
+            )
+
+
+def grouped_mm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    offs: torch.Tensor,
+    *,
+    precision: str = "bf16",
+    validate: bool = False,
+) -> torch.Tensor:
+    """out[offs[e-1]:offs[e]] = x[offs[e-1]:offs[e]] @ w[e] for every expert e.
+
+    Args:
+        x: [M, K] rows grouped by expert (bf16; fp32 also, and fp16 for "bf16").
+        w: [E, K, N] the experts' weights, x's dtype.
+        offs: int32 [E] group end offsets on x's device: non-decreasing, offs[-1] == M; empty
+            groups allowed. Never read on the host on CUDA (unless ``validate``).
+        precision: "bf16": unscaled, in the inputs' dtype: torch._grouped_mm on CUDA for bf16
+            (K, N multiples of 8), else a per-expert loop (a custom op; on CUDA it reads offs
+            on the host). "fp8_rowwise" (CUDA sm_90+; K, N multiples of 16): e4m3 operands
+            with fp32 scales, products accumulated in fp32, through torch._scaled_grouped_mm:
+            forward x per row and w per (expert, output column); grad_x grad_out per row and
+            w per (expert, row of K); grad_w both per (expert, column) along the tokens, with
+            the per-group kernels. The output and gradients are rounded to bf16, then cast to
+            the inputs' dtype. On CPU "fp8_rowwise" runs the plain-torch reference.
+        validate: check the values of offs with a clear error (reads them on the host, one
+            synchronization on CUDA). CPU offsets are always checked. Without it bad offsets
+            on CUDA give wrong rows, not an error.
+    Returns:
+        [M, N] in x's dtype, differentiable in x and w. torch.compile(fullgraph=True) traces
+        it (the CPU "fp8_rowwise" reference excepted).
+    """
+    _check(x, w, offs, precision)
+    if validate or (offs.device.type == "cpu" and not torch.compiler.is_compiling()):
+        _host_bounds(offs, x.shape[0])
+    if precision == "fp8_rowwise":
+        if not x.is_cuda:
+            return grouped_mm_reference(x, w, offs, precision=precision)
+        return _Fp8RowwiseGroupedMM.apply(x.contiguous(), w.contiguous(), offs)
+    if x.is_cuda and x.dtype == torch.bfloat16:
+        return _GroupedMM.apply(x.contiguous(), w.contiguous(), offs, False)
+    return _GroupedMM.apply(x, w, offs, True)

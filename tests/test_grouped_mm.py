@@ -1,0 +1,506 @@
+"""grouped_mm: the plain-torch reference, the CPU loop, the CUDA paths (traced on CPU with fake
+CUDA tensors and with torch._scaled_grouped_mm emulated; run for real where CUDA is), the
+MoE layer on top, and the argument checks.
+
+GPU tests skip without CUDA ("fp8_rowwise" ones below sm_90):
+    python -m pytest -q tests/test_grouped_mm.py
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from dist_utils import run_distributed
+from helpers import fresh_generator, sqnr_db
+from moe_reference import moe_reference
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import mxfp8_a2a as mx
+from mxfp8_a2a._common import interpreted
+from mxfp8_a2a.grouped import grouped_mm_reference
+from mxfp8_a2a.grouped.kernels import _row_block_kernel
+from mxfp8_a2a.moe.layer import ExpertParallelMoE, init_moe_weights
+
+gm = importlib.import_module("mxfp8_a2a.grouped.grouped_mm")  # the module (not the function)
+CUDA = torch.cuda.is_available()
+SM90 = CUDA and torch.cuda.get_device_capability() >= (9, 0)
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+needs_sm90 = pytest.mark.skipif(not SM90, reason="fp8_rowwise needs an sm_90+ GPU")
+needs_interpreter = pytest.mark.skipif(
+    not interpreted(_row_block_kernel), reason="Triton kernels on CPU need TRITON_INTERPRET=1"
+)
+
+# (rtol, atol as a fraction of max |reference|) of a GPU path against the reference: both
+# round an fp32 accumulation to bf16 once (FP8: of the same e4m3 operands), so they differ
+# by the order of the fp32 sums (and Hopper's FP8 accumulation), about a bf16 ulp.
+TOLERANCES = {"bf16": (2**-7, 2**-9), "fp8_rowwise": (2**-6, 2**-7)}
+SQNR_FLOOR_DB = 25.0
+KINDS = ["uneven", "with_empty", "one_holds_all", "aligned"]
+
+
+def _offsets(m: int, e: int, kind: str, g: torch.Generator) -> torch.Tensor:
+    if kind == "one_holds_all":  # a middle expert takes every row
+        ends = [0] * (e // 2) + [m] * (e - e // 2)
+    elif kind == "aligned":
+        cuts = sorted(torch.randint(0, m // 16 + 1, (e - 1,), generator=g).tolist())
+        ends = [16 * c for c in cuts] + [m]
+    else:
+        ends = sorted(torch.randint(0, m + 1, (e - 1,), generator=g).tolist()) + [m]
+        if kind == "with_empty":  # the first, the last and a middle expert empty
+            ends[0] = 0
+            ends[e // 2] = ends[e // 2 - 1]
+            ends[-2] = m
+    return torch.tensor(ends, dtype=torch.int32)
+
+
+def _inputs(m, k, n, e, kind, dtype, device, g):
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = (torch.randn(e, k, n, generator=g) * k**-0.5).to(dtype)
+    grad = torch.randn(m, n, generator=g).to(dtype)
+    offs = _offsets(m, e, kind, g)
+    return x.to(device), w.to(device), offs.to(device), grad.to(device)
+
+
+def _fwd_bwd(fn, x, w, offs, grad):
+    x, w = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
+    out = fn(x, w, offs)
+    out.backward(grad)
+    return out.detach(), x.grad, w.grad
+
+
+def _exact(x, w, offs, grad):
+    """float64 out, grad_x, grad_w per group."""
+    x, w, grad = x.double(), w.double(), grad.double()
+    out, gx, gw = x.new_zeros(x.shape[0], w.shape[2]), torch.zeros_like(x), torch.zeros_like(w)
+    for e, (lo, hi) in enumerate(zip([0] + offs.tolist()[:-1], offs.tolist(), strict=True)):
+        out[lo:hi] = x[lo:hi] @ w[e]
+        gx[lo:hi] = grad[lo:hi] @ w[e].t()
+        gw[e] = x[lo:hi].t() @ grad[lo:hi]
+    return out, gx, gw
+
+
+def _close(got, want, precision):
+    rtol, atol = TOLERANCES[precision]
+    for a, b in zip(got, want, strict=True):
+        b = b.to(a.dtype)
+        scale = b.abs().max().item() if b.numel() else 0.0
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol * scale + 1e-30)
+
+
+def _reference(precision):
+    return lambda x, w, o: grouped_mm_reference(x, w, o, precision=precision)
+
+
+def _public(precision):
+    return lambda x, w, o: mx.grouped_mm(x, w, o, precision=precision)
+
+
+# ---------------------------------------------------------------------------- emulation
+
+
+def _meta(t):
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+
+def emulated_scaled_grouped_mm(a, b, scale_a, scale_b, offs):
+    """torch._scaled_grouped_mm on CPU: its meta checks (layouts, dtypes, scale shapes), the
+    checks only its CUDA source has (16-element trailing dimensions, 16-byte data pointers,
+    the device asserts on offsets), then the product in fp32 with ``(acc * sa) * sb``."""
+    torch._scaled_grouped_mm(
+        *map(_meta, (a, b, scale_a, scale_b)), offs=_meta(offs), out_dtype=torch.bfloat16
+    )
+    assert a.shape[-1] % 16 == 0 and b.shape[-2] % 16 == 0 and b.shape[-1] % 16 == 0
+    assert a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
+    ends = offs.tolist()
+    bounds = list(zip([0] + ends[:-1], ends, strict=True))
+    if b.dim() == 2:  # 2-D x 2-D: groups along the contraction axis
+        k_dim, n_dim = a.shape[0], b.shape[1]
+        out = torch.empty(len(ends), k_dim, n_dim)
+        for e, (lo, hi) in enumerate(bounds):
+            assert hi > lo, "a group must not be empty (asserted by torch <= 2.10 kernels)"
+            assert e == len(ends) - 1 or (hi - lo) % 16 == 0, "TMA: 16-byte group starts"
+            assert hi <= a.shape[1] and hi <= b.shape[0]
+            acc = a[:, lo:hi].float() @ b[lo:hi].float()
+            sa, sb = scale_a[e * k_dim : (e + 1) * k_dim], scale_b[e * n_dim : (e + 1) * n_dim]
+            out[e] = acc * sa[:, None] * sb[None, :]
+        return out.to(torch.bfloat16)
+    out = torch.empty(a.shape[0], b.shape[2])
+    for e, (lo, hi) in enumerate(bounds):
+        assert 0 <= lo <= hi <= a.shape[0]
+        out[lo:hi] = (a[lo:hi].float() @ b[e].float()) * scale_a[lo:hi, None] * scale_b[e][None]
+    return out.to(torch.bfloat16)
+
+
+@torch.library.custom_op("mxfp8_a2a_test::scaled_grouped_mm", mutates_args=())
+def _emulated_op(
+    a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, offs: torch.Tensor
+) -> torch.Tensor:
+    return emulated_scaled_grouped_mm(a, b, sa, sb, offs)
+
+
+@_emulated_op.register_fake
+def _(a, b, sa, sb, offs):
+    return torch._scaled_grouped_mm(a, b, sa, sb, offs=offs, out_dtype=torch.bfloat16)
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    """The CUDA FP8 path, callable on CPU tensors: _Fp8RowwiseGroupedMM.apply."""
+    monkeypatch.setattr(gm, "_scaled_gmm", _emulated_op)
+    return gm._Fp8RowwiseGroupedMM.apply
+
+
+class _Ctx:
+    """What the Functions use of autograd's ctx (autograd itself aborts on fake CUDA)."""
+
+    needs_input_grad = (True, True, False, False)
+
+    def save_for_backward(self, *tensors):
+        self.saved_tensors = tensors
+
+
+# ---------------------------------------------------------------------------- CPU
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kind", KINDS)
+def test_bf16_loop_and_reference_match_exact_products(dtype, kind):
+    g = fresh_generator()
+    args = _inputs(203, 64, 48, 6, kind, dtype, "cpu", g)
+    want = _exact(*args)
+    ref = _fwd_bwd(_reference("bf16"), *args)
+    got = _fwd_bwd(_public("bf16"), *args)
+    tol = (2**-8, 1e-6) if dtype == torch.bfloat16 else (1e-5, 1e-6)
+    for a, b, c in zip(got, ref, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)  # the loop op is the reference
+        torch.testing.assert_close(a.double(), c, rtol=tol[0], atol=tol[1] * c.abs().max())
+
+
+def _representable(x_shape, offs, g, amax_rows=True):
+    """e4m3-representable values whose every row, and every (group, column), holds +-448, so
+    that each rowwise and per-group scale is exactly 1 and the FP8 casts lose nothing."""
+    m, k = x_shape
+    x = (torch.randn(m, k, generator=g) * 64).clamp(-447, 447).to(torch.float8_e4m3fn).float()
+    sign = torch.where(torch.rand(m, k, generator=g) < 0.5, -448.0, 448.0)
+    cols = torch.arange(k)
+    if amax_rows:
+        rows = torch.arange(m)
+        x[rows, rows % k] = sign[rows, rows % k]
+    if offs is not None:
+        for lo, hi in zip([0] + offs.tolist()[:-1], offs.tolist(), strict=True):
+            if hi > lo:
+                r = lo + cols % (hi - lo)
+                x[r, cols] = sign[r, cols]
+    return x
+
+
+def _representable_inputs(m, k, n, e, kind, dtype, g):
+    offs = _offsets(m, e, kind, g)
+    x = _representable((m, k), offs, g)
+    grad = _representable((m, n), offs, g)
+    w = torch.stack([_representable((k, n), None, g) for _ in range(e)])
+    rows = torch.arange(k)
+    cols = torch.arange(n)
+    w[:, cols % k, cols] = 448.0  # every (expert, column) and (expert, row) holds 448
+    w[:, rows, rows % n] = -448.0
+    return x.to(dtype), w.to(dtype), offs, grad.to(dtype)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fp8_reference_is_exact_on_representable_data(kind):
+    """Scales of exactly 1: the FP8 reference gives the exact products, rounded to bf16 (so
+    its scales are applied the right way round, to the right rows, columns and groups)."""
+    args = _representable_inputs(93, 48, 32, 5, kind, torch.float32, fresh_generator())
+    _close(_fwd_bwd(_reference("fp8_rowwise"), *args), _exact(*args), "fp8_rowwise")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fp8_reference_close_to_bf16(kind):
+    args = _inputs(400, 64, 48, 6, kind, torch.bfloat16, "cpu", fresh_generator())
+    fp8 = _fwd_bwd(_reference("fp8_rowwise"), *args)
+    exact = _exact(*args)
+    for name, a, b in zip(("out", "grad_x", "grad_w"), fp8, exact, strict=True):
+        assert sqnr_db(b, a) >= SQNR_FLOOR_DB, (name, sqnr_db(b, a))
+
+
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kind", KINDS)
+def test_fp8_cuda_path_emulated_matches_reference(emulated, monkeypatch, dtype, kind, strided):
+    """The CUDA FP8 code (operand casts, layouts, token padding, scale shapes) on CPU with
+    torch._scaled_grouped_mm emulated: the reference's numbers up to fp32 summation order."""
+    monkeypatch.setattr(gm, "_STRIDED_WEIGHTS", strided)
+    args = _inputs(203, 64, 48, 6, kind, dtype, "cpu", fresh_generator())
+    got = _fwd_bwd(emulated, *args)
+    _close(got, _fwd_bwd(_reference("fp8_rowwise"), *args), "fp8_rowwise")
+    assert all(t.dtype == dtype for t in got)
+
+
+def test_fp8_cuda_path_emulated_is_exact_on_representable_data(emulated):
+    args = _representable_inputs(77, 32, 48, 4, "with_empty", torch.bfloat16, fresh_generator())
+    _close(_fwd_bwd(emulated, *args), _exact(*args), "fp8_rowwise")
+
+
+def test_padded_token_groups():
+    offs = torch.tensor([0, 5, 5, 37, 37, 40], dtype=torch.int32)
+    dest, pad_offs, cap = gm._padded_groups(offs, 40)
+    assert cap == 48 + 16 * 6
+    ends = pad_offs.tolist()
+    sizes = [b - a for a, b in zip([0] + ends[:-1], ends, strict=True)]
+    assert ends[-1] == cap and all(s >= 16 and s % 16 == 0 for s in sizes), sizes
+    starts = [0] + ends[:-1]
+    want = [starts[1] + i for i in range(5)] + [starts[3] + i for i in range(32)]
+    want += [starts[5] + i for i in range(3)]
+    assert dest.tolist() == want
+
+
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_paths_trace_with_fake_cuda_tensors(monkeypatch, dtype, strided):
+    """Both CUDA Functions, forward and backward, on fake CUDA tensors: torch's meta kernels
+    of _grouped_mm / _scaled_grouped_mm accept every operand (dtype, layout, scale shapes)."""
+    monkeypatch.setattr(gm, "_STRIDED_WEIGHTS", strided)
+    m, k, n, e = 45, 32, 48, 4
+    with FakeTensorMode():
+        x = torch.empty(m, k, device="cuda", dtype=dtype)
+        w = torch.empty(e, k, n, device="cuda", dtype=dtype)
+        offs = torch.empty(e, device="cuda", dtype=torch.int32)
+        grad = torch.empty(m, n, device="cuda", dtype=dtype)
+        ctx = _Ctx()
+        out = gm._Fp8RowwiseGroupedMM.forward(ctx, x, w, offs)
+        gx, gw, _ = gm._Fp8RowwiseGroupedMM.backward(ctx, grad)
+        assert (out.shape, gx.shape, gw.shape) == ((m, n), (m, k), (e, k, n))
+        assert out.dtype == gx.dtype == gw.dtype == dtype
+        if dtype == torch.bfloat16:
+            ctx = _Ctx()
+            out = gm._GroupedMM.forward(ctx, x, w, offs, False)
+            gx, gw, *_ = gm._GroupedMM.backward(ctx, grad)
+            assert (out.shape, gx.shape, gw.shape) == ((m, n), (m, k), (e, k, n))
+
+
+def test_torch_compile_fullgraph_cpu():
+    args = _inputs(70, 32, 16, 5, "with_empty", torch.bfloat16, "cpu", fresh_generator())
+    compiled = torch.compile(_public("bf16"), fullgraph=True, backend="aot_eager")
+    for a, b in zip(_fwd_bwd(compiled, *args), _fwd_bwd(_public("bf16"), *args), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@needs_interpreter
+def test_torch_compile_fullgraph_fp8_cuda_path_emulated(emulated, monkeypatch):
+    """The CUDA FP8 path traces in one graph (per-group kernels through the interpreter,
+    torch._scaled_grouped_mm emulated as a custom op with torch's meta as its fake)."""
+    monkeypatch.setattr(gm, "_BACKEND", "triton")
+    args = _inputs(40, 32, 16, 3, "with_empty", torch.bfloat16, "cpu", fresh_generator())
+    compiled = torch.compile(emulated, fullgraph=True, backend="aot_eager")
+    _close(_fwd_bwd(compiled, *args), _fwd_bwd(_reference("fp8_rowwise"), *args), "fp8_rowwise")
+
+
+@pytest.mark.parametrize("precision", gm.PRECISIONS)
+def test_no_rows(precision):
+    x, w = torch.zeros(0, 32, requires_grad=True), torch.randn(3, 32, 16, requires_grad=True)
+    out = mx.grouped_mm(x, w, torch.zeros(3, dtype=torch.int32), precision=precision)
+    out.sum().backward()
+    assert out.shape == (0, 16) and w.grad.abs().sum() == 0
+
+
+def _bad(**change):
+    args = dict(
+        x=torch.randn(20, 32), w=torch.randn(3, 32, 16), offs=torch.tensor([5, 5, 20]).int()
+    )
+    args.update(change)
+    return args
+
+
+BAD = [
+    (dict(precision="fp16"), ValueError, "precision must be one of"),
+    (dict(x=torch.randn(2, 20, 32)), ValueError, "x must be a 2-D tensor"),
+    (dict(w=torch.randn(32, 16)), ValueError, "w must be a 3-D tensor"),
+    (dict(w=torch.randn(3, 48, 16)), ValueError, "x is .M, K=32. but w is .E, K=48"),
+    (dict(w=torch.randn(3, 32, 16).double()), TypeError, "must share one dtype"),
+    (dict(offs=torch.tensor([5, 5, 20])), ValueError, "offs must be an int32 tensor .E=3."),
+    (dict(offs=torch.tensor([5, 20]).int()), ValueError, "offs must be an int32 tensor .E=3."),
+    (dict(offs=torch.tensor([[5, 5, 20]]).int()), ValueError, "offs must be an int32 tensor"),
+    (dict(offs=torch.tensor([5, 3, 20]).int()), ValueError, "non-decreasing and >= 0"),
+    (dict(offs=torch.tensor([-1, 3, 20]).int()), ValueError, "non-decreasing and >= 0"),
+    (dict(offs=torch.tensor([5, 5, 19]).int()), ValueError, r"offs\[-1\] must equal x.shape"),
+    (dict(offs=torch.tensor([5, 5, 21]).int()), ValueError, r"offs\[-1\] must equal x.shape"),
+    (dict(offs=torch.tensor([5, 5, 20], device="meta").int()), ValueError, "one device"),
+    (dict(precision="fp8_rowwise", w=torch.randn(3, 32, 24)), ValueError, "multiples of 16"),
+    (
+        dict(precision="fp8_rowwise", x=torch.randn(20, 40), w=torch.randn(3, 40, 16)),
+        ValueError,
+        "pad x's columns",
+    ),
+    (
+        dict(precision="fp8_rowwise", x=torch.randn(20, 32).half(), w=torch.randn(3, 32, 16)),
+        TypeError,
+        "must share one dtype",
+    ),
+]
+
+
+@pytest.mark.parametrize("change, exc, match", BAD)
+def test_bad_arguments_raise_clear_errors(change, exc, match):
+    args = _bad(**change)
+    with pytest.raises(exc, match=match):
+        mx.grouped_mm(args.pop("x"), args.pop("w"), args.pop("offs"), **args)
+
+
+# ---------------------------------------------------------------------------- MoE layer
+
+
+def _layer_vs_reference(rank, world, seed, precision):
+    """The expert-parallel layer (plain exchange) against the single-process MoE of the same
+    precision: the same rows in the same order per expert, so the same FP8 groups."""
+    torch.manual_seed(seed)
+    hidden, ffn, experts, tokens, top_k = 64, 32, 2 * world, 24, 2
+    layer = ExpertParallelMoE(
+        hidden, ffn, experts, top_k, exchange="bf16", precision=precision, seed=seed
+    )
+    gens = [torch.Generator().manual_seed(seed + r) for r in range(world)]
+    xs = [torch.randn(tokens, hidden, generator=g) for g in gens]
+    x = xs[rank].clone().requires_grad_(True)
+    out = layer(x)
+    out.sum().backward()
+    full = init_moe_weights(hidden, ffn, experts, seed)
+    ref_w = {k: v.requires_grad_(True) for k, v in full.items()}
+    x_all = torch.cat(xs).requires_grad_(True)
+    ref = moe_reference(x_all, ref_w, top_k, precision=precision)
+    ref.sum().backward()
+    rows = slice(rank * tokens, (rank + 1) * tokens)
+    local = slice(rank * experts // world, (rank + 1) * experts // world)
+    pairs = [
+        (out, ref[rows]),
+        (x.grad, x_all.grad[rows]),
+        (layer.w1.grad, ref_w["w1"].grad[local]),
+        (layer.w2.grad, ref_w["w2"].grad[local]),
+    ]
+    for got, want in pairs:
+        if precision == "bf16":
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        else:  # the same FP8 arithmetic; last-bit differences upstream may flip an e4m3 cast
+            assert sqnr_db(want, got) >= 40.0, sqnr_db(want, got)
+
+
+@pytest.mark.parametrize("precision", gm.PRECISIONS)
+def test_layer_matches_reference_of_its_precision(precision):
+    run_distributed(_layer_vs_reference, 2, fresh_generator().initial_seed() % 2**20, precision)
+
+
+def test_layer_rejects_bad_precision():
+    run_distributed(_bad_layer, 1)
+
+
+def _bad_layer(rank, world):
+    with pytest.raises(ValueError, match="precision must be one of"):
+        ExpertParallelMoE(64, 32, 2, 1, precision="fp4")
+    with pytest.raises(ValueError, match="multiples of 16"):
+        ExpertParallelMoE(64, 40, 2, 1, precision="fp8_rowwise")
+
+
+# ---------------------------------------------------------------------------- GPU
+
+
+def _gpu_inputs(kind, dtype=torch.bfloat16, m=1003, k=256, n=384, e=8):
+    return _inputs(m, k, n, e, kind, dtype, "cuda", fresh_generator())
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kind", KINDS)
+def test_gpu_bf16_matches_reference(dtype, kind):
+    args = _gpu_inputs(kind, dtype)
+    _close(_fwd_bwd(_public("bf16"), *args), _fwd_bwd(_reference("bf16"), *args), "bf16")
+
+
+@needs_sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("m", [1003, 4096])
+def test_gpu_fp8_matches_reference(dtype, kind, m):
+    args = _gpu_inputs(kind, dtype, m=m)
+    got = _fwd_bwd(_public("fp8_rowwise"), *args)
+    _close(got, _fwd_bwd(_reference("fp8_rowwise"), *args), "fp8_rowwise")
+    assert all(t.dtype == dtype for t in got)
+
+
+@needs_sm90
+@pytest.mark.parametrize("kind", KINDS)
+def test_gpu_fp8_strided_weights(monkeypatch, kind):
+    """The forward's weights as the per-group kernel's column-major output viewed with expert
+    stride K (grouped_mm._STRIDED_WEIGHTS, no copy): the same numbers as the default."""
+    args = _gpu_inputs(kind)
+    want = _fwd_bwd(_public("fp8_rowwise"), *args)
+    monkeypatch.setattr(gm, "_STRIDED_WEIGHTS", True)
+    _close(_fwd_bwd(_public("fp8_rowwise"), *args), want, "fp8_rowwise")
+
+
+@needs_sm90
+@pytest.mark.parametrize("kind", KINDS)
+def test_gpu_fp8_is_exact_on_representable_data(kind):
+    args = _representable_inputs(301, 64, 96, 6, kind, torch.bfloat16, fresh_generator())
+    args = [t.cuda() for t in args]
+    _close(_fwd_bwd(_public("fp8_rowwise"), *args), _exact(*args), "fp8_rowwise")
+
+
+@needs_sm90
+@pytest.mark.parametrize("kind", KINDS)
+def test_gpu_fp8_sqnr_against_bf16(kind):
+    args = _gpu_inputs(kind, m=4096, k=1024, n=512, e=8)
+    fp8 = _fwd_bwd(_public("fp8_rowwise"), *args)
+    bf16 = _fwd_bwd(_public("bf16"), *args)
+    for name, a, b in zip(("out", "grad_x", "grad_w"), fp8, bf16, strict=True):
+        assert sqnr_db(b, a) >= SQNR_FLOOR_DB, (name, sqnr_db(b, a))
+
+
+@needs_cuda
+@pytest.mark.parametrize("precision", gm.PRECISIONS)
+def test_gpu_empty_experts_get_zero_weight_gradients(precision):
+    if precision == "fp8_rowwise" and not SM90:
+        pytest.skip("fp8_rowwise needs an sm_90+ GPU")
+    x, w, offs, grad = _gpu_inputs("with_empty", m=517)
+    _, _, gw = _fwd_bwd(_public(precision), x, w, offs, grad)
+    sizes = torch.diff(offs, prepend=offs.new_zeros(1)).tolist()
+    for e, size in enumerate(sizes):
+        assert (gw[e].abs().sum() == 0) == (size == 0), (e, size)
+
+
+@needs_cuda
+@pytest.mark.parametrize("precision", gm.PRECISIONS)
+def test_gpu_torch_compile_fullgraph(precision):
+    if precision == "fp8_rowwise" and not SM90:
+        pytest.skip("fp8_rowwise needs an sm_90+ GPU")
+    args = _gpu_inputs("with_empty", m=500)
+    compiled = torch.compile(_public(precision), fullgraph=True, backend="inductor")
+    _close(_fwd_bwd(compiled, *args), _fwd_bwd(_public(precision), *args), precision)
+
+
+@needs_cuda
+def test_gpu_validate_reads_offsets():
+    x, w, offs, _ = _gpu_inputs("uneven")
+    with pytest.raises(ValueError, match="non-decreasing"):
+        mx.grouped_mm(x, w, offs.flip(0), validate=True)
+    with pytest.raises(ValueError, match="multiples of 8"):
+        mx.grouped_mm(x[:, :100], w[:, :100], offs)
+
+
+def _layer_sqnr(rank, world, seed):
+    torch.manual_seed(seed)
+    x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
+    res = []
+    for exchange, precision in (("bf16", "bf16"), ("mxfp8", "fp8_rowwise")):
+        layer = ExpertParallelMoE(256, 128, 8, 2, exchange=exchange, precision=precision, seed=seed)
+        layer = layer.to("cuda", torch.bfloat16)
+        xi = x.clone().requires_grad_(True)
+        out = layer(xi)
+        out.float().pow(2).sum().backward()
+        res.append((out.detach(), xi.grad, layer.w1.grad, layer.w2.grad))
+    return [sqnr_db(a, b) for a, b in zip(*res, strict=True)]
+
+
+@needs_sm90
+def test_gpu_layer_fp8_close_to_bf16():
+    for db in run_distributed(_layer_sqnr, 1, 7, backend="nccl")[0]:
+        assert db >= 20.0, db
