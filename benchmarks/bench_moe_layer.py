@@ -1,0 +1,263 @@
+"""One ExpertParallelMoE layer, forward + backward, phase by phase, three ways:
+
+    bf16 + loop           plain bf16 exchange, the experts as the old per-expert Python loop
+    bf16 + grouped bf16   plain bf16 exchange, grouped_mm(precision="bf16")
+    mxfp8 + fp8_rowwise   MXFP8 exchange, grouped_mm(precision="fp8_rowwise")
+
+Start with torchrun, one process per GPU (NCCL; one rank works: its exchange is local), or
+on a machine without GPUs (gloo, a smoke test with a tiny --shape):
+
+    torchrun --nproc-per-node=1 benchmarks/bench_moe_layer.py --json moe_layer.json
+    torchrun --nproc-per-node=2 benchmarks/bench_moe_layer.py --shape 64x128x2x4x64 --iters 2
+
+Shapes are TOKENSxHIDDENxTOPKxEXPERTSxFFN per rank (EXPERTS: local experts per rank); the
+defaults are 4096x7168x8x32x2048 (DeepSeek-V3-like) and 8192x2048x8x16x768 (Qwen3-30B-A3B-
+like). bf16 activations and weights, random tokens through the layer's softmax top-k router.
+
+Each timed iteration: barrier and device sync, then CUDA events (host clock on CPU) at the
+phase boundaries of one forward + backward: dispatch (the router and dispatch, forward and
+their backward, which runs last), experts (forward, and backward up to the gradient of
+dispatch's output), combine (forward, and backward up to the gradient of the experts'
+output). The median over --iters iterations after --warmup is taken per rank and phase, then
+the max over ranks. SQNR (dB) of the layer's output and of x's gradient against the first
+variant, over all ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+from common import median, versions, warm_gpu, write_json
+from tabulate import tabulate
+
+import mxfp8_a2a.moe.layer as layer_module
+from mxfp8_a2a._torchrun import init_from_torchrun
+from mxfp8_a2a.moe import combine, dispatch
+from mxfp8_a2a.moe.layer import ExpertParallelMoE, route
+
+GPU_SHAPES = ["4096x7168x8x32x2048", "8192x2048x8x16x768"]
+CPU_SHAPES = ["64x128x2x4x64"]
+VARIANTS = {  # name: (exchange, experts)
+    "bf16 + loop": ("bf16", "loop"),
+    "bf16 + grouped bf16": ("bf16", "bf16"),
+    "mxfp8 + fp8_rowwise": ("mxfp8", "fp8_rowwise"),
+}
+MARKS = ("start", "dispatch", "experts", "combine", "combine_bwd", "experts_bwd", "end")
+PHASES = ("total", "fwd", "bwd", "dispatch", "experts", "combine")
+
+
+def old_expert_loop(x, w1, w2, counts: list[int]) -> torch.Tensor:
+    """The experts as the layer ran them before grouped_mm: one bf16 matmul pair per expert
+    over a host list of counts (indexing w[e] gives each expert's backward a full-size
+    weight gradient to fill and add)."""
+    outs = [
+        torch.nn.functional.gelu(xe @ w1[e]) @ w2[e] for e, xe in enumerate(torch.split(x, counts))
+    ]
+    return torch.cat(outs) if outs else x.new_empty((0, w2.shape[-1]))
+
+
+def parse_shape(text: str) -> tuple[int, int, int, int, int]:
+    try:
+        tokens, hidden, top_k, experts, ffn = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise SystemExit(
+            f"--shape must look like TOKENSxHIDDENxTOPKxEXPERTSxFFN, got {text!r}"
+        ) from None
+    return tokens, hidden, top_k, experts, ffn
+
+
+def _meta_weights(hidden, ffn, num_experts, seed):
+    """Stand-in for init_moe_weights: no host tensors of every expert's weights (at 7168 x
+    2048 x 32 experts per rank that is GBs per rank); the benchmark fills the local ones."""
+    shapes = {"router": (hidden, num_experts), "w1": (num_experts, hidden, ffn)}
+    shapes["w2"] = (num_experts, ffn, hidden)
+    return {k: torch.empty(s, device="meta") for k, s in shapes.items()}
+
+
+def make_layer(hidden, ffn, experts, top_k, device) -> ExpertParallelMoE:
+    world = dist.get_world_size()
+    with mock.patch.object(layer_module, "init_moe_weights", _meta_weights):
+        layer = ExpertParallelMoE(hidden, ffn, experts * world, top_k)
+    layer = layer.to_empty(device=device)
+    torch.manual_seed(0)  # the router is replicated: the same on every rank
+    with torch.no_grad():
+        layer.router.normal_().mul_(hidden**-0.5)
+        torch.manual_seed(1 + dist.get_rank())
+        layer.w1.normal_().mul_(hidden**-0.5)
+        layer.w2.normal_().mul_(ffn**-0.5)
+    return layer.to(torch.bfloat16)
+
+
+class Clock:
+    """Marks on the current CUDA stream (events) or the host clock."""
+
+    def __init__(self, cuda: bool):
+        self.cuda, self.marks = cuda, {}
+
+    def __call__(self, name: str) -> None:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.marks[name] = ev
+        else:
+            self.marks[name] = time.perf_counter()
+
+    def ms(self, a: str, b: str) -> float:
+        if self.cuda:
+            return self.marks[a].elapsed_time(self.marks[b])
+        return (self.marks[b] - self.marks[a]) * 1e3
+
+    def phases(self) -> dict[str, float]:
+        m = self.ms
+        return {
+            "total": m("start", "end"),
+            "fwd": m("start", "combine"),
+            "bwd": m("combine", "end"),
+            "dispatch": m("start", "dispatch") + m("experts_bwd", "end"),
+            "experts": m("dispatch", "experts") + m("combine_bwd", "experts_bwd"),
+            "combine": m("experts", "combine") + m("combine", "combine_bwd"),
+        }
+
+
+def step(layer, x, grad, exchange: str, experts: str, clock) -> tuple[torch.Tensor, ...]:
+    """One forward + backward of the layer's steps, marking the phase boundaries."""
+    layer.exchange = exchange
+    if experts != "loop":
+        layer.precision = experts
+    clock("start")
+    weights, ids = route(x @ layer.router.to(x.dtype), layer.top_k)
+    ex, counts, handle = dispatch(x, ids, layer.num_experts, layer.group, exchange=exchange)
+    clock("dispatch")
+    if experts == "loop":
+        ey = old_expert_loop(ex, layer.w1, layer.w2, counts)
+    else:
+        ey = layer.experts(ex, handle.expert_offsets)
+    clock("experts")
+    out = combine(ey, weights, handle)
+    clock("combine")
+    ey.register_hook(lambda g: clock("combine_bwd"))  # ey's gradient: combine's backward done
+    ex.register_hook(lambda g: clock("experts_bwd"))  # ex's gradient: the experts' done
+    out.backward(grad)
+    clock("end")
+    return out.detach(), x.grad
+
+
+def time_variant(layer, x, grad, exchange, experts, iters, warmup, cuda) -> dict[str, float]:
+    per_phase = {p: [] for p in PHASES}
+    clocks = []
+    for i in range(warmup + iters):
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        dist.barrier()
+        if cuda:
+            torch.cuda.synchronize()
+        clock = Clock(cuda)
+        step(layer, x, grad, exchange, experts, clock)
+        if i >= warmup:
+            clocks.append(clock)
+    if cuda:
+        torch.cuda.synchronize()
+    for clock in clocks:
+        for p, v in clock.phases().items():
+            per_phase[p].append(v)
+    t = torch.tensor([median(per_phase[p]) for p in PHASES], dtype=torch.float64, device=x.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return dict(zip(PHASES, t.tolist(), strict=True))
+
+
+def sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:
+    ref, approx = ref.double(), approx.double()
+    num, den = ref.pow(2).sum(), (ref - approx).pow(2).sum()
+    for v in (num, den):
+        dist.all_reduce(v)
+    return (10 * torch.log10(num / den)).item()
+
+
+def bench_shape(text, variants, iters, warmup, device) -> list[dict]:
+    tokens, hidden, top_k, experts, ffn = parse_shape(text)
+    cuda = device.type == "cuda"
+    layer = make_layer(hidden, ffn, experts, top_k, device)
+    g = torch.Generator(device=device).manual_seed(100 + dist.get_rank())
+    x = torch.randn(tokens, hidden, device=device, generator=g, dtype=torch.bfloat16)
+    x.requires_grad_(True)
+    grad = torch.randn(tokens, hidden, device=device, generator=g, dtype=torch.bfloat16)
+    rows, first = [], None
+    for name in variants:
+        exchange, kind = VARIANTS[name]
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        out, gx = step(layer, x, grad, exchange, kind, Clock(False))
+        first = first or (out, gx.clone())
+        res = time_variant(layer, x, grad, exchange, kind, iters, warmup, cuda)
+        res |= {"shape": text, "variant": name, "exchange": exchange, "experts_gemm": kind}
+        res |= {"sqnr_out_db": sqnr_db(first[0], out), "sqnr_grad_x_db": sqnr_db(first[1], gx)}
+        rows.append(res)
+    del layer
+    if cuda:
+        torch.cuda.empty_cache()
+    return rows
+
+
+HEADERS = ["shape", "variant", "fwd+bwd ms", "fwd ms", "bwd ms", "dispatch ms", "experts ms"]
+HEADERS += ["combine ms", "vs first", "experts vs bf16 grouped", "SQNR out", "SQNR grad x"]
+
+
+def table(results: list[dict]) -> list[list]:
+    out = []
+    for r in results:
+        same = [q for q in results if q["shape"] == r["shape"]]
+        base = same[0]["total"]
+        grouped = [q for q in same if q["variant"] == "bf16 + grouped bf16"]
+        vs_grouped = grouped[0]["experts"] / r["experts"] if grouped else float("nan")
+        out.append(
+            [r["shape"], r["variant"]] + [r[p] for p in PHASES]
+            + [base / r["total"], vs_grouped, r["sqnr_out_db"], r["sqnr_grad_x_db"]]
+        )  # fmt: skip
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--shape", action="append", help="TOKENSxHIDDENxTOPKxEXPERTSxFFN per rank")
+    p.add_argument("--variant", action="append", choices=tuple(VARIANTS), help="repeatable")
+    p.add_argument("--iters", type=int, help="timed iterations (default 20 GPU, 3 CPU)")
+    p.add_argument("--warmup", type=int, help="untimed iterations first (default 5 GPU, 1 CPU)")
+    p.add_argument("--json", help="write the results here (rank 0)")
+    args = p.parse_args()
+
+    device = init_from_torchrun()
+    cuda = device.type == "cuda"
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shapes = args.shape or (GPU_SHAPES if cuda else CPU_SHAPES)
+    variants = args.variant or list(VARIANTS)
+    iters = args.iters or (20 if cuda else 3)
+    warmup = args.warmup if args.warmup is not None else (5 if cuda else 1)
+    if rank == 0:
+        where = "CUDA" if cuda else "CPU/gloo"
+        print(f"{world} rank(s) on {where}; {versions()}", file=sys.stderr)
+        if not cuda:
+            print("CPU timings check that the benchmark runs; they say nothing about GPUs.")
+    if cuda:
+        warm_gpu()
+    results = []
+    for text in shapes:
+        results += bench_shape(text, variants, iters, warmup, device)
+    if rank == 0:
+        print(tabulate(table(results), headers=HEADERS, floatfmt=".3f"))
+        write_json(
+            args.json,
+            {"versions": versions(), "world_size": world, "iters": iters, "warmup": warmup,
+             "results": results},
+        )  # fmt: skip
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
