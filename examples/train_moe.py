@@ -1,12 +1,17 @@
 """Train a tiny expert-parallel MoE model on synthetic regression data.
 
     torchrun --nproc-per-node=2 examples/train_moe.py --steps 60 --exchange mxfp8
+    torchrun --nproc-per-node=2 examples/train_moe.py --exchange mxfp8 --precision fp8_rowwise \
+        --dtype bfloat16
 
 Each rank draws its own batches (fixed seed); the target is a fixed random teacher network.
 The model is a stack of residual MoE layers (mxfp8_a2a.ExpertParallelMoE) with experts
 spread over the ranks; replicated parameters (routers, output head) have their gradients
-averaged with all_reduce. NCCL on GPUs, gloo on CPU. Prints the loss (mean over ranks) as
-it goes and, last, ``final loss: <value>``; --json writes the curve.
+averaged with all_reduce. --exchange picks dispatch/combine's exchange, --precision the
+experts' grouped GEMMs (fp8_rowwise: FP8 on sm_90+ GPUs, its plain-torch reference on CPU),
+--dtype the activations' dtype (parameters and the optimizer stay fp32; the loss is taken
+in fp32). NCCL on GPUs, gloo on CPU. Prints the loss (mean over ranks) as it goes and, last,
+``final loss: <value>``; --json writes the curve.
 """
 
 from __future__ import annotations
@@ -21,7 +26,10 @@ import torch.distributed as dist
 import mxfp8_a2a as mx
 from mxfp8_a2a import ExpertParallelMoE
 from mxfp8_a2a._torchrun import init_from_torchrun
+from mxfp8_a2a.grouped.grouped_mm import PRECISIONS
 from mxfp8_a2a.moe import EXCHANGES
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class TinyMoE(torch.nn.Module):
@@ -38,6 +46,7 @@ class TinyMoE(torch.nn.Module):
                 group,
                 exchange=args.exchange,
                 transport=transport,
+                precision=args.precision,
                 seed=args.seed + i,
             )
             for i in range(args.layers)
@@ -50,7 +59,7 @@ class TinyMoE(torch.nn.Module):
     def forward(self, x):
         for layer in self.layers:
             x = x + layer(torch.nn.functional.layer_norm(x, x.shape[-1:]))
-        return x @ self.head
+        return x @ self.head.to(x.dtype)
 
 
 def teacher(x: torch.Tensor, seed: int, out: int) -> torch.Tensor:
@@ -73,6 +82,8 @@ def main() -> None:
         default="nccl",
         help="how the MXFP8 exchanges move rows (copy_engine: two ranks on CUDA GPUs)",
     )
+    p.add_argument("--precision", choices=PRECISIONS, default="bf16", help="experts' GEMMs")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="activations")
     p.add_argument("--tokens", type=int, default=256, help="tokens per rank per step")
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--ffn", type=int, default=256)
@@ -95,7 +106,8 @@ def main() -> None:
     curve, start = [], time.perf_counter()
     for step in range(1, args.steps + 1):
         x = torch.randn(args.tokens, args.hidden, generator=data).to(device)
-        loss = torch.nn.functional.mse_loss(model(x), teacher(x, args.seed, args.out))
+        pred = model(x.to(DTYPES[args.dtype])).float()
+        loss = torch.nn.functional.mse_loss(pred, teacher(x, args.seed, args.out))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         for param in model.parameters():  # the objective is the mean of the ranks' losses

@@ -1,8 +1,14 @@
-"""examples/train_moe.py on CPU/gloo: 2 ranks, 60 steps, under a minute; the MXFP8 run's
-final loss within 2% of the plain-exchange run's."""
+"""examples/train_moe.py under torchrun. On CPU/gloo: 2 ranks, 60 steps, under a minute each;
+the MXFP8-exchange run and the MXFP8 + fp8_rowwise run (the experts' plain-torch FP8
+reference) end within 2% of the plain run's loss. On an sm_90+ GPU: MXFP8 exchange +
+fp8_rowwise experts against bf16 everything, bf16 activations, within 2%:
+
+    python -m pytest -q tests/test_train_moe.py -k gpu
+"""
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -13,19 +19,30 @@ import pytest
 import torch
 
 SCRIPT = Path(__file__).parents[1] / "examples" / "train_moe.py"
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+GPU_ARGS = (
+    "--steps", "200", "--dtype", "bfloat16", "--tokens", "2048", "--hidden", "512",
+    "--ffn", "1024", "--experts-per-rank", "8", "--top-k", "4", "--lr", "1e-3",
+)  # fmt: skip
 
 
-def _final_loss(exchange: str) -> tuple[float, float]:
+@functools.cache
+def _final_loss(
+    exchange: str, precision: str = "bf16", gpu: bool = False, extra: tuple[str, ...] = ()
+) -> tuple[float, float]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone"]
+    ranks = min(2, torch.cuda.device_count()) if gpu else 2
+    if not gpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}"]
     start = time.perf_counter()
     proc = subprocess.run(
-        [*cmd, str(SCRIPT), "--steps", "60", "--exchange", exchange],
+        [*cmd, "--standalone", str(SCRIPT), "--exchange", exchange, "--precision", precision]
+        + (list(extra) or ["--steps", "60"]),
         env=env,
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=600 if gpu else 240,
     )
     elapsed = time.perf_counter() - start
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -34,11 +51,30 @@ def _final_loss(exchange: str) -> tuple[float, float]:
     return float(last.removeprefix("final loss: ")), elapsed
 
 
-@pytest.mark.skipif(
+cpu_only = pytest.mark.skipif(
     torch.cuda.is_available(), reason="the CPU/gloo run; GPU runs are in BENCHMARKS.md"
 )
+
+
+@cpu_only
 def test_mxfp8_training_tracks_bf16():
     bf16, t_bf16 = _final_loss("bf16")
     mxfp8, t_mxfp8 = _final_loss("mxfp8")
     assert abs(mxfp8 - bf16) <= 0.02 * bf16, (bf16, mxfp8)
     assert max(t_bf16, t_mxfp8) < 60, (t_bf16, t_mxfp8)
+
+
+@cpu_only
+def test_fp8_rowwise_reference_training_tracks_bf16():
+    bf16, _ = _final_loss("bf16")
+    fp8, t_fp8 = _final_loss("mxfp8", "fp8_rowwise")
+    assert abs(fp8 - bf16) <= 0.02 * bf16, (bf16, fp8)
+    assert t_fp8 < 60, t_fp8
+
+
+@pytest.mark.skipif(not SM90, reason="fp8_rowwise needs an sm_90+ GPU")
+def test_gpu_mxfp8_fp8_rowwise_training_tracks_bf16():
+    bf16, _ = _final_loss("bf16", "bf16", True, GPU_ARGS)
+    fp8, _ = _final_loss("mxfp8", "fp8_rowwise", True, GPU_ARGS)
+    print(f"final loss: bf16 {bf16:.6f}, mxfp8 + fp8_rowwise {fp8:.6f}")
+    assert abs(fp8 - bf16) <= 0.02 * bf16, (bf16, fp8)
