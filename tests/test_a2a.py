@@ -133,12 +133,12 @@ def test_capture_check_names_what_would_synchronize(bad, match):
 
 
 def test_capture_check_sees_the_validate_environment(monkeypatch):
-    from mxfp8_a2a.exchange.checks import VALIDATE_ENV, check_capturable
+    from mxfp8_a2a.exchange import checks
     from mxfp8_a2a.exchange.nccl import NCCL
 
-    monkeypatch.setenv(VALIDATE_ENV, "1")
-    with pytest.raises(ValueError, match=VALIDATE_ENV):
-        check_capturable([1, 1], [1, 1], False, NCCL)
+    monkeypatch.setattr(checks, "VALIDATE_FROM_ENV", True)  # as if set before the import
+    with pytest.raises(ValueError, match=checks.VALIDATE_ENV):
+        checks.check_capturable([1, 1], [1, 1], False, NCCL)
 
 
 def test_copy_engine_row_ranges():

@@ -29,22 +29,30 @@ def compute_output_splits(
 
     Args:
         input_splits: rows this rank sends to each rank of ``group`` (length = group size,
-            each in [0, 2**62)).
-        group: process group (default: the world).
+            each an int in [0, 2**62); a list, an iterable or a 1-D integer tensor on any
+            device).
+        group: process group (default: the world); call it on every rank of the group.
     Returns:
         output_splits: list of ints, rows this rank receives from each rank.
     One all_to_all_single of group-size int64 values, then a host sync to read them. Bad
-    counts raise on this rank before the collective (the others then wait for it: check
-    counts that come from data before calling).
+    counts on any rank raise the same ValueError/TypeError on every rank (the bad rank
+    sends -1s in place of its counts; only then a second collective brings its message).
     """
     _, world = checks.group_rank_and_size(group)
-    splits = checks.splits_list(input_splits, "input_splits", torch.device("cpu"))
-    checks.check_counts(splits, "input_splits", world)
+    error: Exception | None = None
+    try:
+        splits = checks.splits_list(input_splits, "input_splits", None)
+        checks.check_counts(splits, "input_splits", world)
+    except (TypeError, ValueError) as e:
+        error, splits = e, [-1] * world
     dev = checks.comm_device(group)
     send = torch.tensor(splits, dtype=torch.int64, device=dev)
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
-    return recv.tolist()
+    out = recv.tolist()
+    if error is not None or min(out, default=0) < 0:  # every rank sees every bad rank's -1
+        checks.raise_on_every_rank("compute_output_splits", error, group)
+    return out
 
 
 def _exchange(x, output_splits, input_splits, group, scaling_mode, transport: Transport):
@@ -95,12 +103,17 @@ def to_mxfp8_a2a_dequant(
         input_splits: rows sent to each rank; must sum to tokens.
         group: process group (default: the world).
         scaling_mode: "rceil" (default) or "floor".
-        validate: check, with one all_gather of 2 * group-size + 6 int64 values and a host
-            sync, that the splits agree across ranks and that K, dtype, scaling_mode and
-            transport are the same on every rank; every rank then raises the same error
-            instead of hanging or returning garbage. Also on when the environment variable
-            MXFP8_A2A_VALIDATE=1. Every rank must pass the same ``validate`` (a rank that
-            validates waits in the all_gather for the others).
+        validate: check, with one all_gather of 2 * group-size + 7 int64 values and a host
+            sync, that the splits agree across ranks and that K, dtype, scaling_mode,
+            transport (kind and setting) and whether x records a graph are the same on
+            every rank, and gather every rank's local errors: every rank then raises the
+            same error (naming the rank and the argument) instead of hanging or returning
+            garbage. Also on when MXFP8_A2A_VALIDATE=1 was set when mxfp8_a2a was
+            imported (read once, then). **Every rank must pass the same** ``validate`` and
+            be started with the same MXFP8_A2A_VALIDATE: a rank that validates waits in an
+            all_gather the others never join (they are in the exchange), which ends only
+            in the process group's timeout (gloo raises after it, 30 min by default; NCCL's
+            watchdog aborts) or worse; nothing can detect it.
         transport: "nccl" (default; any group): quantize, one all_to_all_single of packed
             rows, dequantize; the rows a rank sends itself skip the wire. Or a Transport
             object, e.g. :class:`mxfp8_a2a.CopyEngineTransport` (two ranks on GPUs with
@@ -112,9 +125,20 @@ def to_mxfp8_a2a_dequant(
         block holding inf keeps +-448 * 2^127 (inf) there and loses its small values.
     Backward: the gradient is quantized, exchanged with the splits swapped, dequantized.
 
-    Without ``validate`` the splits are trusted: if rank a's input_splits[b] differs from
-    rank b's output_splits[a], the collective fails or hangs, or (with NCCL) the receiver's
-    surplus rows are undefined.
+    Without ``validate`` nothing is compared across ranks (no extra collective, no host
+    sync). A bad argument raises on its own rank before any collective; the other ranks
+    then wait in the exchange until that rank's process ends (gloo and NCCL then fail them)
+    or the process group's timeout. Splits that disagree between ranks (rank a's
+    input_splits[b] != rank b's output_splits[a]) are undefined behaviour, not detected: a
+    receiver that expects more rows than were sent gets undefined rows (gloo: uninitialized
+    memory, with no error; NCCL may also hang), a sender that sends more makes gloo abort
+    the receiving process (NCCL: undefined). Derive output_splits with :func:`compute_output_splits`
+    (or with validate=True, or MXFP8_A2A_VALIDATE=1, while developing);
+    :func:`mxfp8_a2a.dispatch` and :func:`mxfp8_a2a.combine` derive theirs consistently.
+
+    Double backward (create_graph=True): the backward is the same differentiable exchange
+    with the splits swapped, so gradients of gradients flow as through
+    all_to_all_single_autograd (each pass quantized).
 
     CUDA graphs: with fixed shapes and splits the call (forward and backward) can be captured
     with torch.cuda.graph; replays give the eager results bit for bit and skip the host work
@@ -124,7 +148,7 @@ def to_mxfp8_a2a_dequant(
     error: Exception | None = None
     out_splits: list[int] = []
     in_splits: list[int] = []
-    how = (0, 0, 0, 0, 0)
+    how: tuple = ()
     rank, world = checks.group_rank_and_size(group)
     compiling = torch.compiler.is_compiling()
     capturing = (
@@ -133,6 +157,8 @@ def to_mxfp8_a2a_dequant(
         and x.is_cuda
         and torch.cuda.is_current_stream_capturing()
     )
+    validating = checks.validating(validate) and not capturing
+    chosen: Transport | None = None
     try:
         chosen = resolve(transport)
         k = check_float_input(x)
@@ -147,11 +173,13 @@ def to_mxfp8_a2a_dequant(
         out_splits = checks.splits_list(output_splits, "output_splits", x.device)
         in_splits = checks.splits_list(input_splits, "input_splits", x.device)
         checks.check_splits(x.shape[0], out_splits, in_splits, world, rank)
-        how = checks.how_code(k, x.dtype, scaling_mode, chosen)
-    except (TypeError, ValueError) as e:
+        if validating:
+            how = checks.how_code(k, x, scaling_mode, chosen)
+    except Exception as e:  # any local error: with validate, every rank learns of it
         error = e
-    if checks.validating(validate) and not capturing:
-        checks.check_all_ranks(error, out_splits, in_splits, group, world, how)
+    if validating:
+        name = type(chosen).__name__ if chosen is not None else ""
+        checks.check_all_ranks(error, out_splits, in_splits, group, world, how, name)
     if error is not None:
         raise error
     return _apply(x, out_splits, in_splits, group, scaling_mode, chosen)
