@@ -7,9 +7,17 @@ the expert outputs back and sums them with the router weights in the original to
 Autograd flows through both (the exchanges' backward is the reverse exchange).
 
 Collectives and host syncs: ``dispatch`` makes one small all-to-all of per-expert counts
-(with an error flag per rank, so that bad ``topk_ids`` on one rank raise on every rank)
-and one host sync to read the splits that all_to_all_single needs, then the exchange.
-``combine`` has no host sync.
+and one host sync to read the splits that all_to_all_single needs, then the exchange. With
+the counts each rank sends one int64 more: an error flag and what every rank's exchange
+must agree on (hidden size, dtype, exchange, transport, whether x records a graph), so that
+bad arguments on one rank, or ranks that disagree, raise the same ValueError on every rank
+before any exchange (only then a second collective brings the bad rank's message). The
+splits come from that all-to-all, so they agree across ranks by construction.
+``combine`` has no host sync and no collective besides its exchange.
+
+Every rank of the group must call dispatch and combine alike (and run the backward alike),
+with the same ``num_experts`` (it sets the size of the counts all-to-all: a rank with
+another one makes that collective fail).
 """
 
 from __future__ import annotations
@@ -21,10 +29,11 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from ..exchange.api import to_mxfp8_a2a_dequant
-from ..exchange.checks import comm_device, group_rank_and_size
+from ..exchange.checks import comm_device, group_rank_and_size, raise_on_every_rank
 from ..exchange.transport import Transport, resolve
 
 EXCHANGES = ("mxfp8", "bf16")
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # else code 0
 
 
 def exchange_rows(
@@ -82,21 +91,70 @@ def _inverse(perm: torch.Tensor) -> torch.Tensor:
 
 def _local_error(x, topk_ids, num_experts, world, exchange) -> str | None:
     """What is wrong with this rank's arguments (shapes and types only, no data read)."""
+    if exchange not in EXCHANGES:
+        return f"exchange must be one of {EXCHANGES}, got {exchange!r}"
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         return f"x must be a 2-D [tokens, hidden] tensor, got {getattr(x, 'shape', type(x))}"
     if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2:
         return f"topk_ids must be a 2-D [tokens, k] tensor, got {getattr(topk_ids, 'shape', '?')}"
     if topk_ids.shape[0] != x.shape[0]:
         return f"topk_ids must be [tokens, k] with tokens = {x.shape[0]}, got {topk_ids.shape}"
-    if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool:
+    dt = topk_ids.dtype
+    if dt.is_floating_point or dt.is_complex or dt == torch.bool:
         return f"topk_ids must be an integer tensor, got {topk_ids.dtype}"
     if topk_ids.device != x.device:
         return f"topk_ids ({topk_ids.device}) must be on x's device ({x.device})"
     if type(num_experts) is not int or num_experts < 1 or num_experts % world:
         return f"num_experts ({num_experts!r}) must be a positive multiple of the group size"
+    if exchange == "mxfp8" and x.dtype not in (torch.bfloat16, torch.float32):
+        return f"x must be bfloat16 or float32 for exchange='mxfp8', got {x.dtype}"
     if exchange == "mxfp8" and x.shape[1] % 32:
         return f"x.shape[1] (hidden={x.shape[1]}) must be a multiple of 32 for exchange='mxfp8'"
     return None
+
+
+# what every rank's exchange must agree on, packed into one int64 by _agreement, the field
+# widths (from the least significant), and the fix when it differs between ranks
+_AGREE = (
+    ("x.requires_grad", 2, "make x require grad on every rank or on none (else the "
+     "backward exchange waits for ranks that recorded no graph)"),
+    ("transport", 16, "pass the same kind of transport on every rank"),
+    ("exchange", 2, "pass the same exchange on every rank"),
+    ("x.dtype", 8, "pass x in the same dtype on every rank"),
+    ("x.shape[1] (hidden)", None, "pass the same hidden size on every rank"),
+)  # fmt: skip
+
+
+def _agreement(x: torch.Tensor, exchange: str, transport: Transport) -> int:
+    dtype = _DTYPES.index(x.dtype) + 1 if x.dtype in _DTYPES else 0
+    code = (transport.code + 1) % 16 if exchange == "mxfp8" else 0
+    grad = int(torch.is_grad_enabled() and x.requires_grad)
+    return (((x.shape[1] * 8 + dtype) * 2 + EXCHANGES.index(exchange)) * 16 + code) * 2 + grad
+
+
+def _fields(value: int) -> list[int]:
+    out = []
+    for _, width, _ in _AGREE:
+        out.append(value % width if width else value)
+        value //= width or 1
+    return out
+
+
+def _check_agreement(values: list[int]) -> None:
+    """Raise if the ranks' _agreement values differ (every rank sees them all)."""
+    if len(set(values)) == 1:
+        return
+    per_rank = [_fields(v) for v in values]
+    for i, (what, _, fix) in reversed(list(enumerate(_AGREE))):  # hidden size first
+        got = [f[i] for f in per_rank]
+        if len(set(got)) > 1:
+            if what == "x.dtype":
+                got = [str(_DTYPES[v - 1]) if v else "other" for v in got]
+            elif what == "exchange":
+                got = [EXCHANGES[v] for v in got]
+            elif what == "x.requires_grad":
+                got = [bool(v) for v in got]
+            raise ValueError(f"dispatch: {what} differs between ranks ({got} by rank); {fix}")
 
 
 def dispatch(
@@ -122,19 +180,25 @@ def dispatch(
             expert by source rank; tokens_per_expert: list of L ints, rows per local expert
             (read in the same host sync as the splits); handle for :func:`combine`
             (handle.expert_offsets holds the same counts as int32 end offsets on x's device).
-    Bad arguments on any rank (shapes, ids out of range) raise a ValueError on every rank.
+    Bad arguments on any rank (shapes, types, ids out of range) and ranks that disagree
+    (hidden size, dtype, exchange, transport, x.requires_grad) raise the same ValueError on
+    every rank, naming the rank and the argument; the group stays usable. Every rank must
+    call it, with the same num_experts.
     """
     rank, world = group_rank_and_size(group)
-    if exchange not in EXCHANGES:
-        raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
-    chosen = resolve(transport)
-    error = _local_error(x, topk_ids, num_experts, world, exchange)
-    if error is None and exchange == "mxfp8":
-        try:
+    error: Exception | None = None
+    try:
+        chosen = resolve(transport)
+        problem = _local_error(x, topk_ids, num_experts, world, exchange)
+        if problem is not None:
+            raise ValueError(problem)
+        if exchange == "mxfp8":
             chosen.check(x.device, group)
-        except ValueError as e:
-            error = str(e)
-    # every rank sends world x (local + 1) counts, also a rank whose arguments are bad
+        agree = _agreement(x, exchange, chosen)
+    except Exception as e:  # every rank learns of it through the counts all-to-all
+        error = e
+    # every rank sends world x (local + 1) counts, also a rank whose arguments are bad;
+    # the last column: 4 * agreement + flag (0 fine, 1 ids out of range, 2 bad arguments)
     local = max(num_experts // world, 1) if type(num_experts) is int else 1
     dev = comm_device(group)
     if error is None:
@@ -142,7 +206,7 @@ def dispatch(
         flat = topk_ids.reshape(-1).to(torch.int64)
         bad = ((flat < 0) | (flat >= num_experts)).any().reshape(1)
         counts = torch.bincount(flat.clamp(0, num_experts - 1), minlength=num_experts)
-        flag = bad.to(torch.int64).expand(world, 1)
+        flag = bad.add(4 * agree).expand(world, 1)  # bool + int: int64, one kernel as before
         sent = torch.cat([counts.view(world, local), flag], 1).to(dev)
     else:
         sent = torch.zeros(world, local + 1, dtype=torch.int64, device=dev)
@@ -153,16 +217,16 @@ def dispatch(
         [recv[:, local], sent[:, :local].sum(1), recv[:, :local].sum(1), recv[:, :local].sum(0)]
     )
     sizes = flags_and_sizes.tolist()  # the host sync: all_to_all_single needs the splits
-    flags = sizes[:world]
-    if error is not None:
-        raise ValueError(f"dispatch on rank {rank}: {error}")
-    if any(flags):
-        bad_ranks = [r for r in range(world) if flags[r]]
-        what = "topk_ids out of [0, num_experts)" if flags[rank] == 1 else "bad arguments"
-        raise ValueError(
-            f"dispatch: bad arguments on rank(s) {bad_ranks} of the group"
-            + (f" (here: {what})" if flags[rank] else "")
-        )
+    flags = [v % 4 for v in sizes[:world]]
+    if any(flags):  # the same on every rank: every rank received every rank's flag
+        if error is None and flags[rank] == 1:
+            ids = flat[(flat < 0) | (flat >= num_experts)]
+            error = ValueError(
+                f"topk_ids holds {ids.numel()} ids outside [0, num_experts={num_experts}) "
+                f"(from {ids.min().item()} to {ids.max().item()}); route to existing experts"
+            )
+        raise_on_every_rank("dispatch", error, group)
+    _check_agreement([v // 4 for v in sizes[:world]])
     input_splits, output_splits = sizes[world : 2 * world], sizes[2 * world : 3 * world]
     per_expert = sizes[3 * world :]
     recv_counts = recv[:, :local].reshape(-1).to(x.device)
@@ -181,6 +245,35 @@ def dispatch(
     return rows[regroup], per_expert, handle
 
 
+def _check_combine(expert_y, topk_weights, handle: DispatchHandle, exchange) -> None:
+    n, t, k, h = handle.regroup.numel(), handle.num_tokens, handle.top_k, handle.hidden
+    if not isinstance(expert_y, torch.Tensor) or expert_y.dim() != 2:
+        got = getattr(expert_y, "shape", type(expert_y).__name__)
+        raise ValueError(f"expert_y must be a 2-D [{n}, {h}] tensor, got {got}")
+    if expert_y.shape != (n, h):
+        raise ValueError(
+            f"expert_y must be [{n}, {h}] (one row per row dispatch returned, of dispatch's "
+            f"hidden size), got {tuple(expert_y.shape)}"
+        )
+    if expert_y.device != handle.regroup.device:
+        raise ValueError(
+            f"expert_y is on {expert_y.device}, dispatch's tensors on "
+            f"{handle.regroup.device}; keep them on one device"
+        )
+    if not isinstance(topk_weights, torch.Tensor) or topk_weights.shape != (t, k):
+        raise ValueError(
+            f"topk_weights must be a [{t}, {k}] tensor (tokens, top-k of the dispatch), got "
+            f"{tuple(getattr(topk_weights, 'shape', ())) or type(topk_weights)}"
+        )
+    if not topk_weights.dtype.is_floating_point or topk_weights.device != expert_y.device:
+        raise ValueError(
+            f"topk_weights must be a floating tensor on {expert_y.device}, got "
+            f"{topk_weights.dtype} on {topk_weights.device}"
+        )
+    if exchange is not None and exchange not in EXCHANGES:
+        raise ValueError(f"exchange must be None or one of {EXCHANGES}, got {exchange!r}")
+
+
 def combine(
     expert_y: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -194,20 +287,18 @@ def combine(
         expert_y: [N, H] outputs in the order :func:`dispatch` returned the rows.
         topk_weights: [T, k] router weights of each token's experts.
         handle: from the matching dispatch.
-        exchange: "mxfp8" or "bf16"; default: the dispatch's.
+        exchange: "mxfp8" or "bf16"; default: the dispatch's (every rank must pass the
+            same).
     Returns:
         [T, H] in expert_y's dtype: out[t] = sum_j topk_weights[t, j] * y(t, expert j).
+    Every rank of the group must call combine after its dispatch (it is a collective). A
+    bad argument (expert_y with more or fewer rows than dispatch returned, another width,
+    topk_weights of the wrong shape, dtype or device) raises a ValueError on this rank
+    before any collective; the other ranks then wait in combine's exchange until this
+    rank's process ends (gloo and NCCL then fail them) or the process group's timeout:
+    there is no cross-rank check here (it would cost a collective).
     """
-    if topk_weights.shape != (handle.num_tokens, handle.top_k):
-        raise ValueError(
-            f"topk_weights must have shape {(handle.num_tokens, handle.top_k)}, "
-            f"got {tuple(topk_weights.shape)}"
-        )
-    if expert_y.dim() != 2 or expert_y.shape[0] != handle.regroup.numel():
-        raise ValueError(
-            f"expert_y must be [{handle.regroup.numel()}, H] (one row per row dispatch "
-            f"returned), got {tuple(expert_y.shape)}"
-        )
+    _check_combine(expert_y, topk_weights, handle, exchange)
     y = expert_y[handle.inverse_regroup]
     back = exchange_rows(
         y, handle.input_splits, handle.output_splits, handle.group,
