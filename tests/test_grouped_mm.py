@@ -225,13 +225,18 @@ def test_fp8_reference_close_to_bf16(kind):
         assert sqnr_db(b, a) >= SQNR_FLOOR_DB, (name, sqnr_db(b, a))
 
 
-@pytest.mark.parametrize("strided", [False, True])
+# the module's layout switches: (_STRIDED_WEIGHTS, _PAD_ROWS); the first is the default
+LAYOUT_OPTIONS = [(False, False), (True, False), (False, True)]
+
+
+@pytest.mark.parametrize("options", LAYOUT_OPTIONS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("kind", KINDS)
-def test_fp8_cuda_path_emulated_matches_reference(emulated, monkeypatch, dtype, kind, strided):
+def test_fp8_cuda_path_emulated_matches_reference(emulated, monkeypatch, dtype, kind, options):
     """The CUDA FP8 code (operand casts, layouts, token padding, scale shapes) on CPU with
     torch._scaled_grouped_mm emulated: the reference's numbers up to fp32 summation order."""
-    monkeypatch.setattr(gm, "_STRIDED_WEIGHTS", strided)
+    monkeypatch.setattr(gm, "_STRIDED_WEIGHTS", options[0])
+    monkeypatch.setattr(gm, "_PAD_ROWS", options[1])
     args = _inputs(203, 64, 48, 6, kind, dtype, "cpu", fresh_generator())
     got = _fwd_bwd(emulated, *args)
     _close(got, _fwd_bwd(_reference("fp8_rowwise"), *args), "fp8_rowwise")
@@ -256,12 +261,13 @@ def test_padded_token_groups():
     assert dest.tolist() == want
 
 
-@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("options", LAYOUT_OPTIONS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_cuda_paths_trace_with_fake_cuda_tensors(monkeypatch, dtype, strided):
+def test_cuda_paths_trace_with_fake_cuda_tensors(monkeypatch, dtype, options):
     """Both CUDA Functions, forward and backward, on fake CUDA tensors: torch's meta kernels
     of _grouped_mm / _scaled_grouped_mm accept every operand (dtype, layout, scale shapes)."""
-    monkeypatch.setattr(gm, "_STRIDED_WEIGHTS", strided)
+    monkeypatch.setattr(gm, "_STRIDED_WEIGHTS", options[0])
+    monkeypatch.setattr(gm, "_PAD_ROWS", options[1])
     m, k, n, e = 45, 32, 48, 4
     with FakeTensorMode():
         x = torch.empty(m, k, device="cuda", dtype=dtype)
@@ -427,14 +433,17 @@ def test_gpu_fp8_matches_reference(dtype, kind, m):
 
 
 @needs_sm90
+@pytest.mark.parametrize("options", LAYOUT_OPTIONS[1:])
 @pytest.mark.parametrize("kind", KINDS)
-def test_gpu_fp8_strided_weights(monkeypatch, kind):
-    """The forward's weights as the per-group kernel's column-major output viewed with expert
-    stride K (grouped_mm._STRIDED_WEIGHTS, no copy): the same numbers as the default."""
+def test_gpu_fp8_layout_options(monkeypatch, kind, options):
+    """The module's other layouts against the reference: the forward's weights as the
+    per-group kernel's column-major output (_STRIDED_WEIGHTS, no copy), and row groups
+    re-laid on 16-aligned starts (_PAD_ROWS)."""
+    monkeypatch.setattr(gm, "_STRIDED_WEIGHTS", options[0])
+    monkeypatch.setattr(gm, "_PAD_ROWS", options[1])
     args = _gpu_inputs(kind)
-    want = _fwd_bwd(_public("fp8_rowwise"), *args)
-    monkeypatch.setattr(gm, "_STRIDED_WEIGHTS", True)
-    _close(_fwd_bwd(_public("fp8_rowwise"), *args), want, "fp8_rowwise")
+    got = _fwd_bwd(_public("fp8_rowwise"), *args)
+    _close(got, _fwd_bwd(_reference("fp8_rowwise"), *args), "fp8_rowwise")
 
 
 @needs_sm90

@@ -6,8 +6,9 @@ experts' weights: out[rows of e] = x[rows of e] @ w[e]. Layers: torch's grouped 
 (a per-expert loop) -> autograd Functions (_GroupedMM, _Fp8RowwiseGroupedMM) -> grouped_mm.
 The plain-torch definition is grouped_mm_reference.py.
 
-Layout rules of torch's CUDA grouped GEMMs (aten/src/ATen/native/cuda/GroupedBlas.cpp,
-GroupMMCommon.cuh, GroupedMMUtils.h in torch 2.11 and main), and how they are met here:
+Layout rules of torch's CUDA grouped GEMMs, as read in its sources (aten/src/ATen/native/
+cuda/GroupedBlas.cpp, GroupMMCommon.cuh, GroupedMMUtils.h; two versions of GroupMMCommon.cuh,
+an older and the current one) and in the meta kernels of torch 2.13, and how they are met:
 - every operand row- or column-major with 16-byte aligned strides and data pointers: x and w
   are made contiguous; bf16 needs K and N multiples of 8, FP8 multiples of 16 (FP8 also
   checks mat_a.size(-1), mat_b.size(-2) and mat_b.size(-1) % 16 == 0); otherwise a
@@ -21,7 +22,9 @@ GroupMMCommon.cuh, GroupedMMUtils.h in torch 2.11 and main), and how they are me
   whose groups start on multiples of 16 and hold at least 16 tokens (static size
   round_up(M, 16) + 16 E; zero tokens add nothing), with offsets computed on the device.
   The bf16 2-D x 2-D GEMM reads x^T column-major and grad_out row-major, the layout for
-  which torch checks neither alignment nor non-empty groups, so it needs no padding.
+  which torch checks neither alignment nor non-empty groups, so it needs no padding;
+- 2-D x 3-D (forward, grad_x, groups along M): torch checks no group alignment there (row
+  pointers move by whole rows of K, a multiple of 16 bytes), so rows stay where they are.
 Nothing here reads offs on the host except the CPU loop and ``validate=True``.
 """
 
@@ -40,8 +43,12 @@ _BACKEND = "auto"  # of the per-group scaling calls (tests set "triton" under th
 # The forward's mat_b straight from the per-group kernel's column-major output, a view with
 # expert stride K and column stride E*K (no copy). torch's meta checks accept it and its
 # kernel takes per-expert pointers and strides from the tensor; off until a GPU run of
-# test_gpu_fp8_strided_weights confirms it.
+# test_gpu_fp8_layout_options confirms it.
 _STRIDED_WEIGHTS = False
+# Row groups of the 2-D x 3-D FP8 GEMMs (forward, grad_x) re-laid like grad_w's token groups
+# (16-aligned starts). torch's own tests of those GEMMs use groups of 16 rows only; this is
+# the fallback should other sizes fail on a GPU (test_gpu_fp8_layout_options runs both).
+_PAD_ROWS = False
 _FP8 = torch.float8_e4m3fn
 
 
@@ -186,6 +193,18 @@ def _weights_per_row(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return data.view(e, k, n).transpose(1, 2), inv.view(e, k)
 
 
+def _rows_gmm(a, b, scale_a, scale_b, offs) -> torch.Tensor:
+    """The 2-D x 3-D FP8 GEMM of rows a [M, K] grouped by offs: directly, or with _PAD_ROWS
+    through a copy of a (and scale_a) whose groups start on multiples of 16."""
+    if not _PAD_ROWS:
+        return _scaled_gmm(a, b, scale_a, scale_b, offs)
+    dest, pad_offs, cap = _padded_groups(offs, a.shape[0])
+    rows = torch.zeros((cap, a.shape[1]), dtype=torch.uint8, device=a.device)
+    rows = rows.index_copy(0, dest, a.view(torch.uint8)).view(_FP8)
+    scales = torch.ones(cap, dtype=scale_a.dtype, device=a.device).index_copy(0, dest, scale_a)
+    return _scaled_gmm(rows, b, scales, scale_b, pad_offs).index_select(0, dest)
+
+
 def _scatter_tokens(t: torch.Tensor, dest: torch.Tensor, cap: int) -> torch.Tensor:
     """e4m3 t [R, M] -> [R, cap] row-major, column m at dest[m], zeros elsewhere."""
     out = torch.zeros((t.shape[0], cap), dtype=torch.uint8, device=t.device)
@@ -213,7 +232,7 @@ class _Fp8RowwiseGroupedMM(torch.autograd.Function):
             return x.new_empty((0, w.shape[2]))
         xq, xs = _scale_rows(x)
         wq, ws = _weights_per_column(w)
-        return _scaled_gmm(xq, wq, xs, ws, offs).to(x.dtype)
+        return _rows_gmm(xq, wq, xs, ws, offs).to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
@@ -225,7 +244,7 @@ class _Fp8RowwiseGroupedMM(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             gq, gs = _scale_rows(grad)
             wq, ws = _weights_per_row(w)
-            gx = _scaled_gmm(gq, wq, gs, ws, offs).to(x.dtype)
+            gx = _rows_gmm(gq, wq, gs, ws, offs).to(x.dtype)
         if ctx.needs_input_grad[1]:
             gw = _fp8_grad_w(x, grad, offs).to(w.dtype)
         return gx, gw, None
