@@ -8,7 +8,10 @@ from helpers import KERNEL_DEVICES, bits, fresh_generator
 
 from mxfp8_a2a import per_group_colwise_scales, per_group_rowwise_scales
 from mxfp8_a2a.grouped import per_group_scales
+from mxfp8_a2a.grouped.kernels_colwise import lag_and_supers
 from mxfp8_a2a.grouped.reference import per_group_colwise_reference, per_group_rowwise_reference
+
+LAYOUTS = ("row_major", "column_major")
 
 
 def _offsets(total: int, n_groups: int, g: torch.Generator, kind: str) -> torch.Tensor:
@@ -35,40 +38,163 @@ def _data(shape, dtype, device, g):
     x[2 % shape[0], :] = 0.0
     x[3 % shape[0], 5:9] = 1e-13
     x[4 % shape[0], 3] = -float("inf")  # in a row without NaN: -inf * 0 scale is NaN
+    x[5 % shape[0], 6] = 3e38  # huge
+    x[6 % shape[0], 7] = 1e-40  # fp32 subnormal (bf16 keeps it)
     return x.to(dtype).to(device)
 
 
-def _same(a, b):
-    (da, sa), (db, sb) = a, b
-    assert torch.equal(bits(da.contiguous()), bits(db.contiguous()))
-    torch.testing.assert_close(sa, sb, rtol=0, atol=0, equal_nan=True)  # NaN's sign is free
+def _same(got, want):
+    """Same bits, shape and memory layout (strides) of the data; same scales."""
+    (dg, sg), (dw, sw) = got, want
+    assert dg.shape == dw.shape and dg.stride() == dw.stride(), (dg.stride(), dw.stride())
+    assert torch.equal(bits(dg), bits(dw))
+    torch.testing.assert_close(sg, sw, rtol=0, atol=0, equal_nan=True)  # NaN's sign is free
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize(
+    "dtype, pow2", [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float32, False)]
+)
 @pytest.mark.parametrize(
     "n_groups, kind",
-    [(1, "uneven"), (16, "uneven"), (64, "with_empty"), (5, "one_holds_all"), (6, "aligned")],
+    [(1, "uneven"), (16, "uneven"), (32, "with_empty"), (5, "one_holds_all"), (6, "aligned")],
 )
 def test_colwise_and_rowwise_match_reference(device, dtype, pow2, n_groups, kind):
+    """Both kernels (chunk: colwise of a row-major x; row-block: rowwise of a row-major x),
+    odd sizes (203 rows: no block size divides it), jagged, empty and all-holding groups."""
     g = fresh_generator()
-    m, k = (208 if kind == "aligned" else 203), 96  # 203: not a multiple of any block size
+    m, k = (208 if kind == "aligned" else 203), 96
     x = _data((m, k), dtype, device, g)
     offs = _offsets(m, n_groups, g, kind).to(device)
-    _same(
-        per_group_colwise_scales(x, offs, round_scales_to_power_of_2=pow2, backend="triton"),
-        per_group_colwise_reference(x, offs, pow2),
-    )
+    got = per_group_colwise_scales(x, offs, round_scales_to_power_of_2=pow2, backend="triton")
+    _same(got, per_group_colwise_reference(x, offs, pow2))
     xt = x.t().contiguous()  # (N=96, M=203), groups along dim 1
     want = per_group_rowwise_reference(xt, offs, pow2)
-    for method in ("direct", "transpose", "auto"):
+    for method in ("direct", "transpose"):
         got = per_group_rowwise_scales(
             xt, offs, round_scales_to_power_of_2=pow2, backend="triton", method=method,
             validate=method != "direct",  # no host read of offs: same result
         )  # fmt: skip
-        assert got[0].shape == xt.shape and got[1].shape == (n_groups, 96)
+        assert got[1].shape == (n_groups, 96)
         _same(got, want)
+
+
+def _views(base: torch.Tensor, wide: torch.Tensor) -> dict[str, torch.Tensor]:
+    """x in three memory layouts: row-major, a transposed view of a row-major x.t(), and
+    every other column of a wider tensor (no axis contiguous)."""
+    return {"contiguous": base, "transposed": base.t().contiguous().t(), "strided": wide[:, ::2]}
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("kind", ["uneven", "aligned"])
+def test_every_layout_and_method(device, layout, kind):
+    """Inputs contiguous, transposed and strided, data row- or column-major, both kernels
+    (methods "direct" and "transpose"), both functions: the reference's bits, the requested
+    data layout. 104 x 48: not a multiple of the interpreter's 64-row chunks."""
+    g = fresh_generator()
+    base = _data((104, 48), torch.bfloat16, device, g)
+    wide = torch.zeros(104, 96, dtype=torch.bfloat16, device=device)
+    wide[:, ::2] = base
+    offs0 = _offsets(104, 5, g, kind).to(device)  # along the rows (colwise)
+    offs1 = _offsets(48, 3, g, kind).to(device)  # along the columns (rowwise)
+    for name, x in _views(base, wide).items():
+        assert torch.equal(x.view(torch.int16), base.view(torch.int16)), name
+        want0 = per_group_colwise_reference(x, offs0, False, layout)
+        want1 = per_group_rowwise_reference(x, offs1, False, layout)
+        for method in ("direct", "transpose"):
+            kw = dict(backend="triton", method=method, data_layout=layout, validate=False)
+            _same(per_group_colwise_scales(x, offs0, **kw), want0)
+            _same(per_group_rowwise_scales(x, offs1, **kw), want1)
+
+
+def test_auto_reads_in_place(monkeypatch):
+    """method="auto" runs the row-block kernel (group_dim 1) where the group axis is
+    contiguous in x and in the data and the chunk kernel (group_dim 0) elsewhere, always on
+    x's own storage (no copy). CPU, torch-free: the op is replaced by a recorder."""
+    calls = []
+
+    def record(x, offs, pow2, group_dim, column_major):
+        calls.append((x.data_ptr(), tuple(x.stride()), group_dim, column_major))
+        data = per_group_scales.empty_data(x.shape, LAYOUTS[column_major], x.device)
+        return data.view(torch.float8_e4m3fn), x.new_empty((offs.numel(), x.shape[1 - group_dim]))
+
+    monkeypatch.setattr(per_group_scales, "_per_group_op", record)
+    go = torch.randn(64, 32)  # row-major (M, N), groups along M
+    kw = dict(backend="triton", validate=False)
+    cases = [  # (function, x, data layout) -> (strides seen by the kernel, group_dim, column_major)
+        (per_group_colwise_scales, go, "column_major", ((32, 1), 0, True)),  # grad_w operands
+        (per_group_rowwise_scales, go.t(), "row_major", ((32, 1), 0, True)),  # the same, transposed
+        (per_group_colwise_scales, go, "row_major", ((32, 1), 0, False)),
+        (per_group_rowwise_scales, go, "row_major", ((32, 1), 1, False)),  # row-block kernel
+        (per_group_rowwise_scales, go, "column_major", ((1, 32), 0, False)),
+        (per_group_colwise_scales, go.t(), "column_major", ((32, 1), 1, False)),
+    ]
+    for fn, x, layout, want in cases:
+        calls.clear()
+        extent = x.shape[0 if fn is per_group_colwise_scales else 1]
+        offs = torch.tensor([16, extent], dtype=torch.int32)
+        data, _ = fn(x, offs, data_layout=layout, **kw)
+        assert calls == [(go.data_ptr(), *want)], (fn.__name__, layout, calls)
+        assert data.shape == x.shape
+        assert data.is_contiguous() == (layout == "row_major")
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize(
+    "ends",
+    [[5, 3, 150], [-7, 20, 400], [50, 60], [], [-5]],
+    ids=["decreasing", "negative_and_past_end", "short", "none", "only_negative"],
+)
+def test_unvalidated_bad_offsets_defined(device, ends):
+    """validate=False: every backend and kernel gives the reference's defined result for bad
+    offsets (clamped into range, running maximum; indices past the last end zero; empty
+    offs: zeros), the same on every call (no uninitialized memory)."""
+    g = fresh_generator()
+    x = _data((104, 40), torch.bfloat16, device, g)
+    offs = torch.tensor(ends, dtype=torch.int32, device=device)
+    for layout in LAYOUTS:
+        want0 = per_group_colwise_reference(x, offs, False, layout)
+        want1 = per_group_rowwise_reference(x.t(), offs, False, layout)
+        for backend, method in (("torch", "auto"), ("triton", "direct"), ("triton", "transpose")):
+            kw = dict(backend=backend, method=method, data_layout=layout, validate=False)
+            _same(per_group_colwise_scales(x, offs, **kw), want0)
+            _same(per_group_rowwise_scales(x.t(), offs, **kw), want1)
+        data, scales = want0
+        covered = min(max([0, *ends]), 104)
+        assert not bits(data)[covered:].any()  # past the last end: zeros
+        assert scales.shape == (len(ends), 40)
+    # the same bits again: the data past the last end is written, not left as found
+    again = per_group_colwise_scales(x, offs, backend="triton", validate=False)
+    _same(again, per_group_colwise_reference(x, offs))
+    if device == "cuda":
+        torch.cuda.synchronize()  # an out-of-bounds access would surface here
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_empty_extents(device):
+    """No rows, no columns, no groups: the reference's shapes and values, no launch errors."""
+    for shape, ends in (((0, 8), [0, 0]), ((16, 0), [4, 16]), ((16, 8), []), ((0, 8), [])):
+        x = torch.randn(shape, device=device)
+        offs = torch.tensor(ends, dtype=torch.int32, device=device)
+        for layout in LAYOUTS:
+            for method in ("direct", "transpose"):
+                kw = dict(backend="triton", method=method, data_layout=layout, validate=False)
+                _same(
+                    per_group_colwise_scales(x, offs, **kw),
+                    per_group_colwise_reference(x, offs, False, layout),
+                )
+
+
+def test_lag_covers_a_super_strip():
+    """The chunk kernel's deadlock-freedom: every item of the super-strip a program waits on
+    has a lower ticket, i.e. lag >= items per super-strip; the live tiles fit the budget."""
+    for n_chunks, n_strips in ((260, 64), (1, 1), (7, 3), (4096, 128), (3, 1000)):
+        for margin in (0, 5, 10**6):
+            sps, lag = lag_and_supers(n_chunks, n_strips, 16384, 16 << 20, 8, margin)
+            assert 1 <= sps <= min(8, n_strips)
+            assert n_chunks * sps <= lag <= n_chunks * n_strips
+            assert sps == 1 or n_chunks * sps * 16384 <= 16 << 20
 
 
 def test_row_block_size():
@@ -96,9 +222,9 @@ def test_row_block_size():
     ids=["uneven", "aligned"],
 )
 def test_rowwise_group_widths(device, widths):
-    """Groups of many widths on both sides of the largest size class (128 columns
-    interpreted, 512 on the GPU) and its smaller classes, over a row count that fills no
-    tile evenly."""
+    """Groups of many widths on both sides of the row-block kernel's largest size class (128
+    columns interpreted, 512 on the GPU) and its smaller classes, over a row count that fills
+    no tile evenly."""
     g = fresh_generator()
     ends = torch.tensor(widths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     x = _data((37, int(ends[-1])), torch.bfloat16, device, g)
@@ -107,44 +233,45 @@ def test_rowwise_group_widths(device, widths):
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
-def test_rowwise_64_bit_offsets(device, monkeypatch):
-    """The 64-bit offset path (tensors past 2^31 elements) gives the same bits; forced here
-    on a small tensor."""
+def test_64_bit_offsets(device, monkeypatch):
+    """The 64-bit offset path of both kernels (tensors past 2^31 elements) gives the same
+    bits; forced here on a small tensor."""
     monkeypatch.setattr(per_group_scales, "INT64_FROM", 0)
     g = fresh_generator()
     x = _data((40, 203), torch.bfloat16, device, g)
     offs = _offsets(203, 6, g, "aligned").to(device)
-    got = per_group_rowwise_scales(x, offs, backend="triton", method="direct")
-    _same(got, per_group_rowwise_reference(x, offs))
-
-
-@pytest.mark.parametrize("device", KERNEL_DEVICES)
-def test_rowwise_strided_input(device):
-    """Rowwise on views whose group axis is not contiguous (a transpose, every other column of
-    a wider tensor): the unaligned path, same bits as the reference."""
-    g = fresh_generator()
-    base = _data((203, 96), torch.bfloat16, device, g)
-    wide = _data((40, 406), torch.bfloat16, device, g)
-    for x in (base.t(), wide[:, ::2]):  # (96, 203) stride (1, 96); (40, 203) stride (406, 2)
-        offs = _offsets(203, 7, g, "uneven").to(device)
-        got = per_group_rowwise_scales(x, offs, backend="triton", method="direct")
+    for method in ("direct", "transpose"):
+        got = per_group_rowwise_scales(x, offs, backend="triton", method=method)
         _same(got, per_group_rowwise_reference(x, offs))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_groups_longer_than_one_tile(dtype):
-    """Groups past the largest size class (GPU tiling) take the looping path."""
+    """Groups past the row-block kernel's largest size class take its looping path."""
     g = fresh_generator()
-    x = _data((2100, 80), dtype, "cuda", g)  # colwise: a group of 1500 rows
-    offs = torch.tensor([300, 300, 1800, 2100], dtype=torch.int32, device="cuda")
-    _same(per_group_colwise_scales(x, offs), per_group_colwise_reference(x, offs))
     x = _data((24, 9000), dtype, "cuda", g)  # rowwise: a group 8500 columns wide
     offs = torch.tensor([500, 9000], dtype=torch.int32, device="cuda")
     _same(per_group_rowwise_scales(x, offs), per_group_rowwise_reference(x, offs))
     x = _data((200, 9000), dtype, "cuda", g)  # narrow groups (large items) and a wide one
     offs = torch.tensor([16 * i for i in range(1, 64)] + [9000], dtype=torch.int32, device="cuda")
     _same(per_group_rowwise_scales(x, offs), per_group_rowwise_reference(x, offs))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n_groups", [1, 16, 64])
+def test_chunk_kernel_at_scale(n_groups):
+    """Thousands of programs in flight: tickets, the lag and the atomics under real
+    concurrency (many super-strips, every layout the grad_w GEMM uses)."""
+    g = fresh_generator()
+    x = _data((8200, 2048), torch.bfloat16, "cuda", g)
+    offs = _offsets(8200, n_groups, g, "aligned" if n_groups != 16 else "uneven").cuda()
+    for layout in LAYOUTS:
+        want = per_group_colwise_reference(x, offs, False, layout)
+        for _ in range(3):
+            _same(per_group_colwise_scales(x, offs, data_layout=layout, validate=False), want)
+        want = per_group_rowwise_reference(x.t(), offs, False, layout)
+        _same(per_group_rowwise_scales(x.t(), offs, data_layout=layout, validate=False), want)
 
 
 def test_reference_formula():
@@ -162,6 +289,7 @@ def test_reference_formula():
     [
         (torch.tensor([5, 3, 10], dtype=torch.int32), "non-decreasing"),
         (torch.tensor([3, 9], dtype=torch.int32), "offs\\[-1\\] must equal"),
+        (torch.tensor([], dtype=torch.int32), "no groups"),
         (torch.tensor([3, 10], dtype=torch.int64), "int32"),
     ],
 )
@@ -173,29 +301,25 @@ def test_bad_offsets(offs, match):
         per_group_rowwise_scales(x.t(), offs)
 
 
-@pytest.mark.parametrize("device", KERNEL_DEVICES)
-def test_unvalidated_bad_offsets_stay_in_bounds(device):
-    """validate=False: offsets are clamped in the kernel (decreasing, negative, past the end)."""
-    x = torch.randn(40, 24, device=device)
-    for ends in ([5, 3, 40], [-7, 20, 400], [50, 60]):
-        offs = torch.tensor(ends, dtype=torch.int32, device=device)
-        for fn, arg in ((per_group_colwise_scales, x), (per_group_rowwise_scales, x.t())):
-            data, scales = fn(arg, offs, backend="triton", validate=False)
-            assert data.shape == arg.shape and scales.shape == (len(ends), 24)
-    if device == "cuda":
-        torch.cuda.synchronize()  # an out-of-bounds access would surface here
+def test_bad_arguments():
+    x, offs = torch.randn(10, 32), torch.tensor([10], dtype=torch.int32)
+    with pytest.raises(ValueError, match="data_layout"):
+        per_group_colwise_scales(x, offs, data_layout="col")
+    with pytest.raises(ValueError, match="method"):
+        per_group_rowwise_scales(x.t(), offs, method="copy")
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_torch_compile_fullgraph(device):
-    """The custom op traces (fake shapes match) and gives the eager result."""
+    """The custom op traces (fake shapes and strides match) and gives the eager result."""
     g = fresh_generator()
     x = _data((48, 40), torch.bfloat16, device, g)
     offs = torch.tensor([16, 16, 48], dtype=torch.int32, device=device)
 
     def both(x, offs):
-        col = per_group_colwise_scales(x, offs, backend="triton", validate=False)
-        row = per_group_rowwise_scales(x.t(), offs, backend="triton", validate=False)
+        kw = dict(backend="triton", validate=False)
+        col = per_group_colwise_scales(x, offs, data_layout="column_major", **kw)
+        row = per_group_rowwise_scales(x.t(), offs, **kw)
         return col, row
 
     backend = "inductor" if device == "cuda" else "aot_eager"

@@ -15,6 +15,10 @@ from .reference import EPS
 SCALE_AT_EPS = tl.constexpr(
     float(torch.tensor(448.0 / EPS, dtype=torch.float32))
 )  # fp32(448 / 1e-12)
+_EPS32 = torch.tensor(EPS, dtype=torch.float32)  # the fp32 nearest 1e-12 (below it)
+if _EPS32.double() < EPS:
+    _EPS32 = torch.nextafter(_EPS32, torch.tensor(1.0))
+EPS_BITS = tl.constexpr(int(_EPS32.view(torch.int32)))  # amax < 1e-12 <=> bits below this
 
 
 # ---------------------------------------------------------------------------- kernels
@@ -36,11 +40,12 @@ SCALE_AT_EPS = tl.constexpr(
 @triton.jit
 def _scales(amax_bits, ROUND_POW2: tl.constexpr):
     """fp32 448 / max(amax, 1e-12) as the fp64 division rounded to fp32 gives it (NaN amax
-    gives NaN). Below the clamp it is that constant; above, the correctly rounded fp32
-    division equals the fp64 quotient rounded to fp32 (double rounding through 53 bits is
-    exact for a quotient of 24-bit numbers, as 53 >= 2 * 24 + 2)."""
+    gives NaN), from the int32 bits of amax (>= 0). Below the clamp it is that constant;
+    above, the correctly rounded fp32 division equals the fp64 quotient rounded to fp32
+    (double rounding through 53 bits is exact for a quotient of 24-bit numbers, as
+    53 >= 2 * 24 + 2)."""
     amax = amax_bits.to(tl.float32, bitcast=True)
-    small = amax.to(tl.float64) < 1e-12
+    small = amax_bits < EPS_BITS  # amax bits are never negative; NaN's are above inf's
     scale = tl.where(
         small, SCALE_AT_EPS, tl.math.div_rn(tl.full(amax.shape, 448.0, tl.float32), amax)
     )

@@ -94,7 +94,8 @@ def _per_group_triton(
         _chunk_kernel[(n_chunks * n_strips + lag,)](
             x, offs, scales, data, ws, n_other, extent, g, *strides, n_chunks, n_strips, sps, lag,
             ROUND_POW2=pow2, SOFT=soft, INT64=int64, BO=c.block_other, BL=c.block_group,
-            BG=max(2, triton.next_power_of_2(g)), num_warps=c.num_warps,
+            BG=max(2, triton.next_power_of_2(g)), ALIGN=16 if 1 in strides[1::2] else 1,
+            UNALIGNED=min(16, c.block_group), num_warps=c.num_warps,
             **({"maxnreg": c.maxnreg} if c.maxnreg and not soft else {}),
         )  # fmt: skip
     return data.view(torch.float8_e4m3fn), scales
@@ -157,7 +158,7 @@ def _check(x, offs, dim: int, backend: str, method: str, data_layout: str, valid
 def _check_values(offs: torch.Tensor, extent: int, dim: int) -> None:
     """Non-decreasing, >= 0, last == extent. Reads offs on the host (one synchronization)."""
     host = offs.tolist()
-    if any(b < a for a, b in zip([0] + host[:-1], host, strict=True)):
+    if any(b < a for a, b in zip([0, *host], host, strict=False)):  # (previous end, end)
         raise ValueError(f"offs must be non-decreasing and >= 0, got {host}")
     if (host[-1] if host else 0) != extent:
         raise ValueError(
