@@ -81,24 +81,35 @@ def _per_group_triton(
             num_warps=t.num_warps, **({"maxnreg": t.maxnreg} if t.maxnreg and not soft else {}),
         )  # fmt: skip
     else:
-        c = _config.per_group_tiling(0, interpreted=soft)
-        n_strips = triton.cdiv(n_other, c.block_other)
-        n_chunks = triton.cdiv(extent, c.block_group)
-        tile_bytes = c.block_other * c.block_group * x.element_size()
-        margin = c.margin_per_sm * (1 if soft else sm_count(x.device))
-        sps, lag = lag_and_supers(n_chunks, n_strips, tile_bytes, c.l2_bytes, c.max_strips, margin)
-        ws = torch.zeros(
-            1 + triton.cdiv(n_strips, sps) + g * n_other, dtype=torch.int32, device=x.device
-        )
-        int64 = int64 or ws.numel() >= INT64_FROM
-        _chunk_kernel[(n_chunks * n_strips + lag,)](
-            x, offs, scales, data, ws, n_other, extent, g, *strides, n_chunks, n_strips, sps, lag,
-            ROUND_POW2=pow2, SOFT=soft, INT64=int64, BO=c.block_other, BL=c.block_group,
-            BG=max(2, triton.next_power_of_2(g)), ALIGN=16 if 1 in strides[1::2] else 1,
-            UNALIGNED=min(16, c.block_group), num_warps=c.num_warps,
-            **({"maxnreg": c.maxnreg} if c.maxnreg and not soft else {}),
-        )  # fmt: skip
+        _launch_chunk(x, offs, scales, data, pow2, soft, int64, strides)
     return data.view(torch.float8_e4m3fn), scales
+
+
+def _launch_chunk(x, offs, scales, data, pow2: bool, soft: bool, int64: bool, strides) -> None:
+    """The chunk kernel, groups along dim 0 of x. The register cap applies where it compiled
+    without spills (sm_90a, bf16 x read or written along whole vectors both ways); x with no
+    unit stride moves element by element and takes a quarter of the tile's columns (at the
+    full tile its addresses spilled whatever the cap)."""
+    c = _config.per_group_tiling(0, interpreted=soft)
+    sxo, sxg, _, sdg = strides
+    block_other = c.block_other if 1 in (sxo, sxg) else max(16, c.block_other // 4)
+    capped = x.element_size() == 2 and (sxo == 1 or sxg == sdg == 1) and not soft
+    g, (extent, n_other) = offs.numel(), x.shape
+    n_strips = triton.cdiv(n_other, block_other)
+    n_chunks = triton.cdiv(extent, c.block_group)
+    tile_bytes = block_other * c.block_group * x.element_size()
+    margin = c.margin_per_sm * (1 if soft else sm_count(x.device))
+    sps, lag = lag_and_supers(n_chunks, n_strips, tile_bytes, c.l2_bytes, c.max_strips, margin)
+    ws = torch.zeros(
+        1 + triton.cdiv(n_strips, sps) + g * n_other, dtype=torch.int32, device=x.device
+    )
+    _chunk_kernel[(n_chunks * n_strips + lag,)](
+        x, offs, scales, data, ws, n_other, extent, g, *strides, n_chunks, n_strips, sps, lag,
+        ROUND_POW2=pow2, SOFT=soft, INT64=int64 or ws.numel() >= INT64_FROM, BO=block_other,
+        BL=c.block_group, BG=max(2, triton.next_power_of_2(g)),
+        ALIGN=16 if 1 in (sxg, sdg) else 1, UNALIGNED=min(16, c.block_group),
+        num_warps=c.num_warps, **({"maxnreg": c.maxnreg} if c.maxnreg and capped else {}),
+    )  # fmt: skip
 
 
 @torch.library.custom_op("mxfp8_a2a::per_group_scales", mutates_args=())
