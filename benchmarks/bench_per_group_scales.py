@@ -1,13 +1,22 @@
-"""Per-group FP8 scaling of jagged tensors: torch loop vs Triton direct vs Triton transpose.
+"""Per-group FP8 scaling of jagged tensors in every layout: torch loop vs each kernel method.
 
-    python benchmarks/bench_per_group_scales.py [--json out.json]
+    python benchmarks/bench_per_group_scales.py [--json out.json] [--check] [--groups 1 16 64]
 
-x (16640, 8192) bf16; per_group_rowwise_scales with groups along dim 1 (random jagged end
-offsets, multiples of 16), and per_group_colwise_scales with groups along dim 0. "GB/s":
-effective, the fewest bytes any method must move (x read once, data and scales written
-once) over its time, so methods compare directly. "raw GB/s": the bytes each method reads
-and writes (x read twice for groups too long for one tile, the transpose's copy
-included). Needs a CUDA GPU.
+x (16640, 8192) bf16, row-major, random jagged end offsets on 16-element boundaries. Layouts:
+
+- grad_w colwise: per_group_colwise_scales(x, offs, data_layout="column_major"), groups along
+  the 16640 tokens: the A / B operands of the 2-D x 2-D torch._scaled_grouped_mm (x^T as a
+  row-major (K, M), grad_out column-major (M, N));
+- grad_w rowwise(x.t()): the same, spelled per_group_rowwise_scales(x.t(), offs) on the
+  transposed view (row-major data of x.t());
+- colwise contiguous: per_group_colwise_scales(x, offs), row-major data;
+- rowwise contiguous: per_group_rowwise_scales(x, offs), groups along the 8192 columns.
+
+Methods: "auto" (what the library picks from the strides), "direct" and "transpose" (the two
+kernels, results identical; see per_group_scales.py). "GB/s": effective, the fewest bytes any
+method must move (x read once, data and scales written once) over its time, so methods compare
+directly. All kernel timings use validate=False (no host read of offs). --check compares every
+method's bits with the reference at full size. Needs a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -19,11 +28,11 @@ import torch
 from common import do_bench_ms, versions, warm_gpu, write_json
 from tabulate import tabulate
 
-from mxfp8_a2a import _config, per_group_colwise_scales, per_group_rowwise_scales
+from mxfp8_a2a import per_group_colwise_scales, per_group_rowwise_scales
 from mxfp8_a2a.grouped.reference import per_group_colwise_reference, per_group_rowwise_reference
 
-N, M = 16640, 8192
-FAST = dict(validate=False)  # no host read of offs: the kernels alone
+M, K = 16640, 8192  # tokens x hidden
+METHODS = ("auto", "direct", "transpose")
 # Warm-up of each kernel timing. The torch loop before it keeps the GPU mostly idle (launch-
 # bound), and with 50 ms of warm-up the first kernel timed after it measured up to 20% slow
 # on an H200 against repeated timings (BENCHMARKS.md); 250 ms of steady work comes first.
@@ -35,19 +44,22 @@ def jagged_offsets(total: int, n_groups: int, g: torch.Generator) -> torch.Tenso
     return torch.cat([cuts, torch.tensor([total])]).to(torch.int32).cuda()
 
 
-def kernel_bytes(ends: list[int], n_other: int, group_dim: int, elem: int = 2) -> int:
-    """Bytes the per-group kernel reads and writes: each group's x once (twice when it is
-    longer than the largest size class of the GPU tiling; for rowwise the second read mostly
-    hits L2), its e4m3 data and fp32 scales once."""
-    tiling = _config.per_group_tiling(group_dim, interpreted=False)
-    longest = tiling.min_group << (tiling.n_classes - 1)
-    align = 16 if group_dim == 1 else 1  # rowwise tiles start on 16-element boundaries
-    total, start = 0, 0
-    for end in ends:
-        reads = 1 if end - start // align * align <= longest else 2
-        total += n_other * ((end - start) * (reads * elem + 1) + 4)
-        start = end
-    return total
+def layouts(x: torch.Tensor) -> list[tuple[str, object, object, torch.Tensor, int, str]]:
+    """(name, function, reference, input, group-axis length, data layout)."""
+    col, row = per_group_colwise_scales, per_group_rowwise_scales
+    col_ref, row_ref = per_group_colwise_reference, per_group_rowwise_reference
+    return [
+        ("grad_w colwise", col, col_ref, x, M, "column_major"),
+        ("grad_w rowwise(x.t())", row, row_ref, x.t(), M, "row_major"),
+        ("colwise contiguous", col, col_ref, x, M, "row_major"),
+        ("rowwise contiguous", row, row_ref, x, K, "row_major"),
+    ]
+
+
+def same(a, b) -> bool:
+    return a[0].stride() == b[0].stride() and torch.equal(
+        a[0].view(torch.uint8), b[0].view(torch.uint8)
+    ) and torch.equal(a[1].nan_to_num(), b[1].nan_to_num())  # fmt: skip
 
 
 def main() -> None:
@@ -55,69 +67,65 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--json")
+    p.add_argument("--check", action="store_true", help="compare bits with the reference")
+    p.add_argument("--groups", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--layout", action="append", help="only these layouts (repeatable)")
+    p.add_argument("--no-loop", action="store_true", help="skip the torch loop timings")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_per_group_scales.py needs a CUDA GPU")
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(N, M, dtype=torch.bfloat16).cuda()
-    elems = N * M
-    # On a freshly started H200 the first rowwise timing measured 138 us at 1 group against
-    # 102 us in two later runs on the same machine (BENCHMARKS.md): the kernel runs first.
-    whole = torch.tensor([M], dtype=torch.int32, device="cuda")
-    warm_gpu(lambda: per_group_rowwise_scales(x, whole, **FAST))
-    rows = []
-    for n_groups in (1, 16, 64):
-        # rowwise: groups along dim 1 (M)
-        offs = jagged_offsets(M, n_groups, g)
-        t_loop = do_bench_ms(lambda offs=offs: per_group_rowwise_reference(x, offs), rep_ms=200)
-        t_direct = do_bench_ms(
-            lambda o=offs: per_group_rowwise_scales(x, o, method="direct", **FAST), WARMUP_MS
-        )
-        t_tr = do_bench_ms(
-            lambda o=offs: per_group_rowwise_scales(x, o, method="transpose", **FAST), WARMUP_MS
-        )
-        t_checked = do_bench_ms(lambda o=offs: per_group_rowwise_scales(x, o), WARMUP_MS)
-        # colwise: groups along dim 0 (N)
-        offs0 = jagged_offsets(N, n_groups, g)
-        t_col_loop = do_bench_ms(lambda o=offs0: per_group_colwise_reference(x, o), rep_ms=200)
-        t_col = do_bench_ms(lambda o=offs0: per_group_colwise_scales(x, o, **FAST), WARMUP_MS)
-        t_col_checked = do_bench_ms(lambda o=offs0: per_group_colwise_scales(x, o), WARMUP_MS)
-        minimal = 3 * elems + 4 * n_groups * N
-        ends = offs.tolist()
-        raw_direct = kernel_bytes(ends, N, group_dim=1)
-        raw_tr = 4 * elems + kernel_bytes(ends, N, group_dim=0)  # copy, then colwise
-        raw_col = kernel_bytes(offs0.tolist(), M, group_dim=0)
-        rows.append(
-            {
-                "n_groups": n_groups,
-                "torch loop us": t_loop * 1e3,
-                "direct us": t_direct * 1e3,
-                "transpose us": t_tr * 1e3,
-                "direct GB/s": minimal / t_direct / 1e6,
-                "transpose GB/s": minimal / t_tr / 1e6,
-                "direct raw GB/s": raw_direct / t_direct / 1e6,
-                "transpose raw GB/s": raw_tr / t_tr / 1e6,
-                "direct speedup": t_loop / t_direct,
-                "transpose speedup": t_loop / t_tr,
-                "validated us": t_checked * 1e3,
-                "colwise loop us": t_col_loop * 1e3,
-                "colwise us": t_col * 1e3,
-                "colwise GB/s": minimal / t_col / 1e6,
-                "colwise raw GB/s": raw_col / t_col / 1e6,
-                "colwise speedup": t_col_loop / t_col,
-                "colwise validated us": t_col_checked * 1e3,
-            }
-        )
+    x = torch.randn(M, K, dtype=torch.bfloat16).cuda()
+    # On a freshly started H200 the first timing measured 138 us against 102 us in later
+    # runs on the same machine (BENCHMARKS.md): steady work first.
+    whole = torch.tensor([K], dtype=torch.int32).cuda()
+    warm_gpu(lambda: per_group_rowwise_scales(x, whole, validate=False))
+    rows, failures = [], []
+    offsets = {(n, total): jagged_offsets(total, n, g) for n in args.groups for total in (M, K)}
+    for name, fn, ref, xin, total, layout in layouts(x):
+        if args.layout and name not in args.layout:
+            continue
+        for n_groups in args.groups:
+            offs = offsets[n_groups, total]
+            n_other = x.numel() // total
+            minimal = 3 * x.numel() + 4 * n_groups * n_other
+            row = {"layout": name, "groups": n_groups}
+            want = ref(xin, offs, False, layout) if args.check else None
+            if not args.no_loop:
+                t = do_bench_ms(
+                    lambda o=offs, f=ref, a=xin, d=layout: f(a, o, False, d), rep_ms=200
+                )
+                row["torch loop us"] = t * 1e3
+            for method in METHODS:
+                call = lambda f=fn, a=xin, o=offs, m=method, d=layout: f(  # noqa: E731
+                    a, o, method=m, data_layout=d, validate=False
+                )
+                if args.check and not same(call(), want):
+                    failures.append(f"{name} groups={n_groups} method={method}")
+                t = do_bench_ms(call, WARMUP_MS)
+                row[f"{method} us"] = t * 1e3
+                row[f"{method} GB/s"] = minimal / t / 1e6
+                if "torch loop us" in row:
+                    row[f"{method} vs loop"] = row["torch loop us"] / row[f"{method} us"]
+            rows.append(row)
+            print(row, flush=True)
     info = versions()
-    print(" ".join(f"{k}={v}" for k, v in info.items()), f"shape={N}x{M} bf16")
-    print(tabulate(rows, headers="keys", floatfmt=".2f"))
+    print(" ".join(f"{k}={v}" for k, v in info.items()), f"shape={M}x{K} bf16")
+    print(tabulate(rows, headers="keys", floatfmt=".1f"))
     print(
-        "GB/s: effective, 3 bytes per element + 4 per scale over each method's time; raw "
-        "GB/s: the bytes each method moves. "
-        "direct/transpose/colwise: validate=False (no host sync); validated: the defaults "
-        "(method auto = direct, validate=True: one host read of offs per call)."
+        "GB/s: effective, 3 bytes per element + 4 per scale over each method's time. "
+        "All kernel timings: validate=False (no host sync)."
     )
-    write_json(args.json, {"versions": info, "shape": [N, M], "results": rows})
+    if args.check:
+        print("check:", "every method matched the reference bit for bit" if not failures else "")
+        for f in failures:
+            print("MISMATCH", f)
+    write_json(
+        args.json,
+        {"versions": info, "shape": [M, K], "results": rows, "check_failures": failures},
+    )
+    if failures:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

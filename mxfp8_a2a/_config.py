@@ -64,10 +64,14 @@ COPY_ENGINE_MAX_RANGES = 2
 # ``lag`` tickets apart. The launcher makes a super-strip of up to ``max_strips`` strips whose
 # tiles take at most ``l2_bytes`` and lags by one super-strip plus ``margin_per_sm`` items per
 # SM (what is live between the two reads: about (lag + resident programs) tiles).
-# Values: the design's starting point before any GPU measurement: 16 KB tiles of 4 warps,
-# about a third of the 50 MB L2 live; 128 x 64 with at most 96 registers compiled for sm_90a
-# (triton 3.9's ptxas, 2026-12-01) without spills for row- and column-major data (5 programs
-# per SM), where 64 x 128 needed 116-128 registers (column-major data spilled below 128).
+# Values: the design's starting point, NOT yet measured on a GPU (no device time was left for
+# it on 2026-12-01): 16 KB tiles of 4 warps; 128 x 64 with at most 96 registers compiled for
+# sm_90a (triton 3.9's ptxas, 2026-12-01) without spills for bf16 row- and column-major data
+# (5 programs per SM), where 64 x 128 needed 116-128 (column-major data spilled below 128).
+# At (16640, 8192) bf16 on 132 SMs: 1 strip per super-strip, lag 260 + 8 * 132 = 1316 tiles
+# (21 MB live between the reads, under half the 50 MB L2; the margin exceeds the ~660
+# resident programs, so a pass 2 rarely waits). scripts/tune_per_group.py --kind colwise
+# sweeps these.
 # Replaced (2026-11-30 design, group-item kernel: whole group per tile, persistent): 370 / 294 /
 # 219 us at 1 / 16 / 64 groups on an H200 for colwise (16640, 8192), 1.1-1.9 TB/s effective.
 
@@ -99,8 +103,8 @@ ROWWISE_TILING = RowBlockTiling(
     tile=4096, item=8192, min_group=32, max_class=512, num_warps=4, maxnreg=64
 )  # fmt: skip
 COLWISE_TILING = ChunkTiling(
-    block_other=128, block_group=64, num_warps=4, l2_bytes=16 << 20, max_strips=8,
-    margin_per_sm=4, maxnreg=96,
+    block_other=128, block_group=64, num_warps=4, l2_bytes=8 << 20, max_strips=8,
+    margin_per_sm=8, maxnreg=96,
 )  # fmt: skip
 # The interpreter (CPU tests): few classes, so that tests of a few hundred rows run every
 # class and the loop; small chunk tiles and super-strips of up to 2 strips, so that they run

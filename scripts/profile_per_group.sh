@@ -2,12 +2,14 @@
 # Profile one launch of the per-group scaling kernel with Nsight Compute, if the machine
 # has it: throughput vs peak (DRAM, SM issue), warp stall reasons, registers, occupancy.
 #
-#   scripts/profile_per_group.sh OUTDIR [N_GROUPS] [rowwise|colwise]
+#   scripts/profile_per_group.sh OUTDIR [N_GROUPS] [rowwise|colwise|colwise_rowmajor]
 #
-# x (16640, 8192) bf16 with N_GROUPS (default 1) jagged groups, as in the benchmark.
+# x (16640, 8192) bf16 with N_GROUPS (default 1) jagged groups, as in the benchmark: rowwise
+# (row-block kernel, groups along the 8192 columns), colwise (chunk kernel, the grad_w layout:
+# column-major data), colwise_rowmajor (chunk kernel, row-major data).
 # Writes OUTDIR/ncu_<layout>_<groups>.txt (the details page); prints its headline lines.
 set -uo pipefail
-out=${1:?usage: scripts/profile_per_group.sh OUTDIR [N_GROUPS] [rowwise|colwise]}
+out=${1:?usage: scripts/profile_per_group.sh OUTDIR [N_GROUPS] [rowwise|colwise|colwise_rowmajor]}
 groups=${2:-1}
 layout=${3:-rowwise}
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -21,16 +23,17 @@ fi
 prog=$(cat <<PY
 import sys, torch
 sys.path.insert(0, "$here/benchmarks")
-from bench_per_group_scales import N, M, jagged_offsets
+from bench_per_group_scales import M, K, jagged_offsets
 from mxfp8_a2a import per_group_colwise_scales, per_group_rowwise_scales
 g = torch.Generator().manual_seed(0)
-x = torch.randn(N, M, dtype=torch.bfloat16).cuda()
+x = torch.randn(M, K, dtype=torch.bfloat16).cuda()
 if "$layout" == "rowwise":
-    offs = jagged_offsets(M, $groups, g)
-    fn = lambda: per_group_rowwise_scales(x, offs, method="direct", validate=False)
+    offs = jagged_offsets(K, $groups, g)
+    fn = lambda: per_group_rowwise_scales(x, offs, validate=False)
 else:
-    offs = jagged_offsets(N, $groups, g)
-    fn = lambda: per_group_colwise_scales(x, offs, validate=False)
+    offs = jagged_offsets(M, $groups, g)
+    layout = "row_major" if "$layout" == "colwise_rowmajor" else "column_major"
+    fn = lambda: per_group_colwise_scales(x, offs, data_layout=layout, validate=False)
 for _ in range(3):
     fn()
 torch.cuda.synchronize()
@@ -38,7 +41,7 @@ PY
 )
 report="$out/ncu_${layout}_${groups}"
 # Profile the third launch: the first compiles the kernel, the second warms the caches.
-"$ncu_bin" --kernel-name regex:"_row_block_kernel|_group_item_kernel" --launch-skip 2 --launch-count 1 \
+"$ncu_bin" --kernel-name regex:"_row_block_kernel|_chunk_kernel" --launch-skip 2 --launch-count 1 \
   --set full --clock-control none -f -o "$report" python3 -c "$prog" > "$report.log" 2>&1 || tail -20 "$report.log"
 "$ncu_bin" --import "$report.ncu-rep" --page details > "$report.txt" 2>&1
 grep -E "Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Issue Slots Busy|Registers Per Thread|Achieved Occupancy|Theoretical Occupancy|Executed Ipc Active|Executed Instructions |L1/TEX Hit|L2 Hit|Warp Cycles Per Issued|Block Limit Registers" "$report.txt" | head -24

@@ -1,18 +1,20 @@
-"""Sweep the per-group scaling kernel's tilings on the current GPU.
+"""Sweep the per-group scaling kernels' tilings on the current GPU.
 
-    python scripts/tune_per_group.py [--json out.json]
+    python scripts/tune_per_group.py [--kind rowwise|colwise|both] [--json out.json]
+        [--rowwise TILE,ITEM,MAX_CLASS,WARPS[,MAXNREG]]...
+        [--colwise BO,BL,WARPS,L2_MB,MAX_STRIPS,MARGIN_PER_SM[,MAXNREG]]...
 
-x (16640, 8192) bf16, 1/16/64 jagged groups (end offsets multiples of 16); prints
-microseconds and effective GB/s (3 bytes per element) of per_group_rowwise_scales
-(method="direct") and per_group_colwise_scales for each tiling tried
-(``_config.RowBlockTiling``, ``_config.GroupItemTiling``); the best go into
-mxfp8_a2a/_config.py.
+x (16640, 8192) bf16, 1/16/64 jagged groups (end offsets multiples of 16), validate=False;
+prints microseconds and effective GB/s (3 bytes per element) for each tiling tried:
+rowwise: per_group_rowwise_scales(x, offs) (the row-block kernel, ``_config.RowBlockTiling``);
+colwise: the chunk kernel (``_config.ChunkTiling``) in the grad_w layout,
+per_group_colwise_scales(x, offs, data_layout="column_major"), and with row-major data.
+The best go into mxfp8_a2a/_config.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import statistics
 import sys
@@ -25,81 +27,81 @@ from tabulate import tabulate
 from mxfp8_a2a import _config, per_group_colwise_scales, per_group_rowwise_scales
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from bench_per_group_scales import M, N, jagged_offsets  # noqa: E402
+from bench_per_group_scales import K, M, jagged_offsets  # noqa: E402
+
+ROWWISE = [  # tile, item, max_class, warps, maxnreg
+    (4096, 8192, 512, 4, 64), (4096, 8192, 512, 4, 0), (4096, 8192, 256, 4, 64),
+    (4096, 16384, 512, 4, 64), (2048, 8192, 512, 4, 64),
+]  # fmt: skip
+COLWISE = [  # block_other, block_group, warps, l2 MB, max_strips, margin_per_sm, maxnreg
+    (128, 64, 4, 8, 8, 8, 96), (128, 64, 4, 16, 8, 8, 96), (128, 64, 4, 4, 8, 8, 96),
+    (128, 64, 4, 8, 8, 4, 96), (128, 64, 4, 8, 8, 16, 96), (128, 64, 4, 8, 8, 8, 0),
+    (64, 128, 4, 8, 8, 8, 128), (64, 64, 4, 8, 8, 8, 0), (128, 128, 8, 8, 8, 8, 128),
+]  # fmt: skip
 
 
-def tilings(kind: str) -> list:
-    """Rowwise (row-block kernel): tiles of 2048-4096 elements, the widest class 256-1024
-    columns, items of 8192-16384 elements. Colwise (group-item kernel): the last class is
-    ``min_other`` columns wide."""
-    out = []
-    if kind == "rowwise":
-        for tile, item, max_class, warps in [
-            (4096, 8192, 512, 4), (4096, 8192, 256, 4), (4096, 8192, 1024, 4),
-            (4096, 16384, 512, 4), (2048, 8192, 512, 4), (2048, 8192, 256, 4),
-            (2048, 16384, 512, 4), (4096, 8192, 512, 8), (8192, 16384, 1024, 8),
-            (4096, 4096, 512, 4),
-        ]:  # fmt: skip
-            out.append(_config.RowBlockTiling(tile, item, 32, max_class, warps))
-    else:
-        for tile, min_other, warps in itertools.product([8192, 16384], [16, 32], [4, 8]):
-            n_classes = (tile // (16 * min_other)).bit_length()  # classes 16 .. tile/min_other rows
-            out.append(_config.GroupItemTiling(tile, 16, n_classes, 16, 512, warps, 4))
-    return out
+def rowwise_tiling(v) -> _config.RowBlockTiling:
+    tile, item, max_class, warps, *maxnreg = v
+    return _config.RowBlockTiling(tile, item, 32, max_class, warps, *maxnreg)
+
+
+def colwise_tiling(v) -> _config.ChunkTiling:
+    bo, bl, warps, l2_mb, max_strips, margin, *maxnreg = v
+    return _config.ChunkTiling(bo, bl, warps, l2_mb << 20, max_strips, margin, *maxnreg)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--json")
     p.add_argument("--kind", choices=["rowwise", "colwise", "both"], default="both")
+    p.add_argument("--rowwise", action="append", metavar="TILE,ITEM,MAX_CLASS,WARPS[,MAXNREG]")
     p.add_argument(
-        "--rowwise", action="append", metavar="TILE,ITEM,MAX_CLASS,WARPS[,MAXNREG]",
-        help="rowwise tilings to try instead of the built-in list (repeatable)",
-    )  # fmt: skip
+        "--colwise", action="append", metavar="BO,BL,WARPS,L2_MB,MAX_STRIPS,MARGIN[,MAXNREG]"
+    )
+    p.add_argument("--groups", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--rounds", type=int, default=1, help="times through the list, interleaved")
     p.add_argument(
         "--draws", type=int, default=1,
         help="offsets drawn per group count (draw 0: the benchmark's, seed 0; draw d: seed d)",
     )  # fmt: skip
     args = p.parse_args()
-    chosen = {"rowwise": tilings("rowwise"), "colwise": tilings("colwise")}
-    if args.rowwise:
-        chosen["rowwise"] = []
-        for text in args.rowwise:
-            tile, item, max_class, warps, *maxnreg = (int(v) for v in text.split(","))
-            chosen["rowwise"].append(
-                _config.RowBlockTiling(tile, item, 32, max_class, warps, *maxnreg)
-            )
-    x = torch.randn(N, M, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0)).cuda()
+    parse = lambda texts: [tuple(int(v) for v in t.split(",")) for t in texts]  # noqa: E731
+    chosen = {
+        "rowwise": [rowwise_tiling(v) for v in (parse(args.rowwise) if args.rowwise else ROWWISE)],
+        "colwise": [colwise_tiling(v) for v in (parse(args.colwise) if args.colwise else COLWISE)],
+    }
+    x = torch.randn(M, K, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0)).cuda()
     offs = {}
     for d in range(args.draws):
         g = torch.Generator().manual_seed(d)
-        for n in (1, 16, 64):
-            offs[n, d] = (jagged_offsets(M, n, g), jagged_offsets(N, n, g))
+        for n in args.groups:
+            offs[n, d] = {M: jagged_offsets(M, n, g), K: jagged_offsets(K, n, g)}
+    cases = {
+        "rowwise": [("rowwise", K, lambda o: per_group_rowwise_scales(x, o, validate=False))],
+        "colwise": [
+            ("colwise col-major", M, lambda o: per_group_colwise_scales(
+                x, o, data_layout="column_major", validate=False)),
+            ("colwise row-major", M, lambda o: per_group_colwise_scales(x, o, validate=False)),
+        ],
+    }  # fmt: skip
     rows = []
-    for kind, fn in (
-        ("rowwise", lambda o: per_group_rowwise_scales(x, o[0], method="direct", validate=False)),
-        ("colwise", lambda o: per_group_colwise_scales(x, o[1], validate=False)),
-    ):
+    for kind, attr in (("rowwise", "ROWWISE_TILING"), ("colwise", "COLWISE_TILING")):
         if args.kind not in (kind, "both"):
             continue
         for tiling in chosen[kind] * args.rounds:
-            setattr(_config, f"{kind.upper()}_TILING", tiling)
-            for (n_groups, draw), o in offs.items():
-                ms = triton.testing.do_bench(
-                    lambda o=o, fn=fn: fn(o), warmup=100, return_mode="median"
-                )
-                rows.append(
-                    {
-                        "fn": kind,
-                        "groups": n_groups,
-                        "draw": draw,
-                        "tiling": str(tuple(tiling)),
-                        "us": ms * 1e3,
-                        "GB/s": 3 * N * M / ms / 1e6,
-                    }
-                )
-                print(rows[-1], flush=True)
+            setattr(_config, attr, tiling)
+            for name, total, fn in cases[kind]:
+                for (n_groups, draw), o in offs.items():
+                    ms = triton.testing.do_bench(
+                        lambda o=o[total], fn=fn: fn(o), warmup=100, return_mode="median"
+                    )
+                    rows.append(
+                        {"fn": name, "groups": n_groups, "draw": draw, "tiling": str(tuple(tiling)),
+                         "us": ms * 1e3, "GB/s": 3 * M * K / ms / 1e6}
+                    )  # fmt: skip
+                    print(rows[-1], flush=True)
     print(tabulate(rows, headers="keys", floatfmt=".1f"))
     if args.rounds > 1:
         runs: dict[tuple, list[float]] = {}
@@ -107,8 +109,7 @@ def main() -> None:
             runs.setdefault((r["fn"], r["tiling"], r["groups"], r["draw"]), []).append(r["us"])
         summary = [
             {"fn": k[0], "tiling": k[1], "groups": k[2], "draw": k[3],
-             "median us": statistics.median(v),
-             "min us": min(v), "max us": max(v)}
+             "median us": statistics.median(v), "min us": min(v), "max us": max(v)}
             for k, v in runs.items()
         ]  # fmt: skip
         print(tabulate(summary, headers="keys", floatfmt=".1f"))
