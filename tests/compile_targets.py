@@ -20,7 +20,8 @@ from mxfp8_a2a import _config  # noqa: E402
 from mxfp8_a2a.formats.dequantize import _dequantize_kernel  # noqa: E402
 from mxfp8_a2a.formats.quantize import _quantize_kernel  # noqa: E402
 from mxfp8_a2a.formats.roundtrip import _roundtrip_kernel  # noqa: E402
-from mxfp8_a2a.grouped.kernels import _group_item_kernel, _row_block_kernel  # noqa: E402
+from mxfp8_a2a.grouped.kernels import _row_block_kernel  # noqa: E402
+from mxfp8_a2a.grouped.kernels_colwise import _chunk_kernel  # noqa: E402
 
 I32 = "i32"
 GAP = ["n_groups", "groups_per_row", "gap_at", "gap_len"]
@@ -62,12 +63,18 @@ def per_group_builds(cap):
         ptx = build(_row_block_kernel, sig, consts, cap, aligned, tile.num_warps, tile.maxnreg)
         yield "per_group_rowwise", f"{dtype}-{'int64' if int64 else 'int32'}", ptx
     col = _config.COLWISE_TILING
-    sig = per_group_sig("bf16")
-    consts = {"sxo": 1, "sdo": 1, "ROUND_POW2": True, "SOFT": False, "ALIGN": 1}
-    consts |= {"TILE": col.tile, "MIN_GROUP": col.min_group, "N_CLASSES": col.n_classes}
-    consts |= {"LOOP_OTHER": col.loop_other, "LOOP_GROUP": col.loop_group, "BLOCK_GROUPS": 64}
-    aligned = PER_GROUP_ARGS[:6] + ["sxg", "sdg"]
-    yield "per_group_colwise", "bf16", build(_group_item_kernel, sig, consts, cap, aligned)
+    names = PER_GROUP_ARGS[:4] + ["ws_ptr"] + PER_GROUP_ARGS[4:]
+    names += ["n_chunks", "n_strips", "sps", "lag"]
+    sig = dict.fromkeys(names, I32) | {
+        "x_ptr": "*bf16", "offs_ptr": "*i32", "scale_ptr": "*fp32", "data_ptr": "*u8",
+        "ws_ptr": "*i32",
+    }  # fmt: skip
+    consts = {"sxo": 1, "sdg": 1, "ROUND_POW2": True, "SOFT": False, "INT64": False}
+    consts |= {"BO": col.block_other, "BL": col.block_group, "BG": 64, "ALIGN": 16}
+    consts |= {"UNALIGNED": 16}
+    aligned = PER_GROUP_ARGS[:6] + ["ws_ptr", "sxg", "sdo"]
+    ptx = build(_chunk_kernel, sig, consts, cap, aligned, col.num_warps, col.maxnreg)
+    yield "per_group_colwise", "bf16", ptx
 
 
 for cap in (90, 100):
