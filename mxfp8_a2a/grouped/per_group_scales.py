@@ -128,7 +128,8 @@ def _(x, offs, pow2, group_dim, column_major):
 
 
 def _contiguous_along(t: torch.Tensor, dim: int) -> bool:
-    return t.stride(dim) == 1 or t.shape[dim] <= 1
+    # bool(): under torch.compile the strides and shapes are symbolic (a guard on them)
+    return bool(t.stride(dim) == 1) or bool(t.shape[dim] <= 1)
 
 
 def _triton(x, offs, pow2: bool, group_dim: int, method: str, data_layout: str):
