@@ -128,8 +128,7 @@ def _(x, offs, pow2, group_dim, column_major):
 
 
 def _contiguous_along(t: torch.Tensor, dim: int) -> bool:
-    # bool(): under torch.compile the strides and shapes are symbolic (a guard on them)
-    return bool(t.stride(dim) == 1) or bool(t.shape[dim] <= 1)
+    return t.stride(dim) == 1 or t.shape[dim] <= 1
 
 
 def _triton(x, offs, pow2: bool, group_dim: int, method: str, data_layout: str):
@@ -138,8 +137,12 @@ def _triton(x, offs, pow2: bool, group_dim: int, method: str, data_layout: str):
     column_major = data_layout == "column_major"
     if method == "auto":
         data_along_groups = column_major == (group_dim == 0)
-        row_block = _contiguous_along(x, group_dim) and data_along_groups
-        method = "direct" if row_block == (group_dim == 1) else "transpose"
+        # branches, not a comparison of bools: under torch.compile (torch 2.11) the stride
+        # test is symbolic and comparing it with a bool failed to trace
+        if data_along_groups and _contiguous_along(x, group_dim):  # the row-block kernel
+            method = "direct" if group_dim == 1 else "transpose"
+        else:
+            method = "transpose" if group_dim == 1 else "direct"
     if method == "direct":
         return _per_group_op(x, offs, pow2, group_dim, column_major)
     data, scales = _per_group_op(x.t(), offs, pow2, 1 - group_dim, not column_major)
