@@ -299,7 +299,9 @@ def test_torch_compile_fullgraph_fp8_cuda_path_emulated(emulated, monkeypatch):
     torch._scaled_grouped_mm emulated as a custom op with torch's meta as its fake)."""
     monkeypatch.setattr(gm, "_BACKEND", "triton")
     args = _inputs(40, 32, 16, 3, "with_empty", torch.bfloat16, "cpu", fresh_generator())
-    compiled = torch.compile(emulated, fullgraph=True, backend="aot_eager")
+    torch._dynamo.reset()
+    # dynamic=True: symbolic shapes and strides, as a recompile at new sizes gets them
+    compiled = torch.compile(emulated, fullgraph=True, backend="aot_eager", dynamic=True)
     _close(_fwd_bwd(compiled, *args), _fwd_bwd(_reference("fp8_rowwise"), *args), "fp8_rowwise")
 
 

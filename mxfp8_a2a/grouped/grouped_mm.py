@@ -319,7 +319,9 @@ def grouped_mm(
         x: [M, K] rows grouped by expert (bf16; fp32 also, and fp16 for "bf16").
         w: [E, K, N] the experts' weights, x's dtype.
         offs: int32 [E] group end offsets on x's device: non-decreasing, offs[-1] == M; empty
-            groups allowed. Never read on the host on CUDA (unless ``validate``).
+            groups allowed. Not read on the host on CUDA for bf16 inputs and for
+            "fp8_rowwise" (unless ``validate``); fp32/fp16 inputs with "bf16" take the
+            per-expert loop, which reads them (one host sync per GEMM).
         precision: "bf16": unscaled, in the inputs' dtype: torch._grouped_mm on CUDA for bf16
             (K, N multiples of 8), else a per-expert loop (a custom op; on CUDA it reads offs
             on the host). "fp8_rowwise" (CUDA sm_90+; K, N multiples of 16): e4m3 operands
@@ -336,6 +338,7 @@ def grouped_mm(
         it (the CPU "fp8_rowwise" reference excepted).
     """
     _check(x, w, offs, precision)
+    offs = offs.contiguous()  # the kernels and torch's GEMMs read it densely
     if validate or (offs.device.type == "cpu" and not torch.compiler.is_compiling()):
         _host_bounds(offs, x.shape[0])
     if precision == "fp8_rowwise":

@@ -47,7 +47,7 @@ def fp8_rowwise_forward(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) ->
     xq, xs = _rows(x)
     offs_k = torch.arange(1, e + 1, dtype=torch.int32, device=w.device) * k
     wq, ws = per_group_colwise_reference(w.reshape(e * k, n), offs_k)
-    out = torch.empty((x.shape[0], n), dtype=torch.bfloat16, device=x.device)
+    out = torch.zeros((x.shape[0], n), dtype=torch.bfloat16, device=x.device)
     for i, (lo, hi) in enumerate(_bounds(offs)):
         out[lo:hi] = _scaled(xq[lo:hi], wq[i * k : (i + 1) * k], xs[lo:hi], ws[i].reciprocal())
     return out
@@ -58,7 +58,7 @@ def fp8_rowwise_grad_x(g: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> 
     e, k, n = w.shape
     gq, gs = _rows(g)
     wq, ws = _rows(w.reshape(e * k, n))
-    out = torch.empty((g.shape[0], k), dtype=torch.bfloat16, device=g.device)
+    out = torch.zeros((g.shape[0], k), dtype=torch.bfloat16, device=g.device)
     for i, (lo, hi) in enumerate(_bounds(offs)):
         rows = slice(i * k, (i + 1) * k)
         out[lo:hi] = _scaled(gq[lo:hi], wq[rows].t(), gs[lo:hi], ws[rows])

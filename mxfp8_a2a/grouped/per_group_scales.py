@@ -135,6 +135,7 @@ def _triton(x, offs, pow2: bool, group_dim: int, method: str, data_layout: str):
     """Run the kernel ``method`` names; "auto": the row-block kernel where the group axis is
     contiguous in x and in the data, the chunk kernel everywhere else."""
     column_major = data_layout == "column_major"
+    offs = offs.contiguous()  # the kernels read offs[g] at offs_ptr + g
     if method == "auto":
         data_along_groups = column_major == (group_dim == 0)
         # branches, not a comparison of bools: under torch.compile (torch 2.11) the stride
