@@ -131,6 +131,9 @@ def main() -> None:
                 json.dump({"args": vars(args), "world_size": world, "loss": curve}, f)
         tail = curve[-max(1, len(curve) // 10) :]  # one step's batch is noise at small losses
         print(f"final loss: {sum(tail) / len(tail):.6f}", flush=True)
+    for layer in model.layers:  # a CopyEngineTransport owns symmetric memory: free it
+        if isinstance(layer.transport, mx.CopyEngineTransport):
+            layer.transport.close()
     dist.destroy_process_group()
 
 

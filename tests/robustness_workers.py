@@ -229,3 +229,26 @@ def validate_on_one_rank(rank, world):
     out = mx.to_mxfp8_a2a_dequant(x, ones, ones)  # validates nowhere: no deadlock
     assert out.shape == (world, 64) and not checks.validating(False)
     return _outcome(lambda: mx.to_mxfp8_a2a_dequant(x, ones, ones, validate=rank == 0))
+
+
+def compiled_and_eager_ranks(rank, world):
+    """Rank 0 runs the exchange under torch.compile, the others eager (as after a graph break
+    or a recompile limit on one rank): the same bytes move, every row arrives exact."""
+    s = split_matrix(world, 11, max_rows=6, zeros=False)
+    out_splits = [s[src][rank] for src in range(world)]
+    x = torch.randn(sum(s[rank]), 64).to(torch.bfloat16) * (rank + 1)
+
+    def step(t):
+        return mx.to_mxfp8_a2a_dequant(t, out_splits, s[rank])
+
+    run = torch.compile(step, fullgraph=True, backend="aot_eager") if rank == 0 else step
+    out = run(x)
+    back = mx.to_mxfp8_a2a_dequant(out, s[rank], out_splits)  # eager everywhere
+    assert torch.equal(back, mx.quantize_dequantize_reference(x))
+    # fullgraph reports the ValueError as dynamo's Unsupported, with its message
+    with pytest.raises(Exception, match="validate=False"):  # noqa: B017
+        torch.compile(
+            lambda t: mx.to_mxfp8_a2a_dequant(t, out_splits, s[rank], validate=True),
+            fullgraph=True,
+            backend="aot_eager",
+        )(x)

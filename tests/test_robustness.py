@@ -10,7 +10,12 @@ import pytest
 import torch
 from dist_utils import BACKENDS, run_distributed
 from moe_robustness_workers import combine_bad_rows_on_one_rank, moe_errors, uneven_tokens
-from robustness_workers import double_backward, exchange_errors, validate_on_one_rank
+from robustness_workers import (
+    compiled_and_eager_ranks,
+    double_backward,
+    exchange_errors,
+    validate_on_one_rank,
+)
 
 from mxfp8_a2a.exchange import checks
 
@@ -84,3 +89,7 @@ def test_splits_lists_accept_only_integers():
     assert checks.splits_list([torch.tensor(5)], "s", None) == [5]
     with pytest.raises(ValueError, match=r"input_splits\[1\] = -2"):
         checks.check_counts([1, -2], "input_splits", 2)
+
+
+def test_compiled_and_eager_ranks_move_the_same_bytes():
+    run_distributed(compiled_and_eager_ranks, 2, backend="gloo", timeout=180)

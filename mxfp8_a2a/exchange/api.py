@@ -12,13 +12,16 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
 
 from .._common import check_float_input, check_scaling_mode
 from ..formats.dequantize import dequantize_packed
+from ..formats.packing import packed_row_bytes
 from ..formats.quantize import quantize_packed
 from . import checks
 from .checks import Splits
 from .nccl import NcclTransport
+from .rows import wire_row
 from .transport import Transport, resolve
 
 
@@ -58,9 +61,12 @@ def compute_output_splits(
 def _exchange(x, output_splits, input_splits, group, scaling_mode, transport: Transport):
     if not torch.compiler.is_compiling():
         return transport.exchange(x, output_splits, input_splits, group, scaling_mode)
-    packed = quantize_packed(x, scaling_mode=scaling_mode)
+    # the eager transport's wire rows (padded to 16 bytes), so that a rank that runs eager
+    # (a graph break, a recompile limit) and one that runs compiled move the same bytes
+    row = packed_row_bytes(x.shape[1])
+    packed = F.pad(quantize_packed(x, scaling_mode=scaling_mode), (0, wire_row(x.shape[1]) - row))
     recv = funcol.all_to_all_single(packed, output_splits, input_splits, group or dist.group.WORLD)
-    return dequantize_packed(funcol.wait_tensor(recv), out_dtype=x.dtype)
+    return dequantize_packed(funcol.wait_tensor(recv)[:, :row], out_dtype=x.dtype)
 
 
 def _apply(x, output_splits, input_splits, group, scaling_mode, transport) -> torch.Tensor:
@@ -157,7 +163,9 @@ def to_mxfp8_a2a_dequant(
         and x.is_cuda
         and torch.cuda.is_current_stream_capturing()
     )
-    validating = checks.validating(validate) and not capturing
+    # under torch.compile nothing may synchronize: validate=True raises below, the
+    # environment's default is not applied (validate in an eager step instead)
+    validating = checks.validating(validate) and not capturing and not compiling
     chosen: Transport | None = None
     try:
         chosen = resolve(transport)
@@ -168,6 +176,11 @@ def to_mxfp8_a2a_dequant(
         chosen.check(x.device, group)
         if compiling and not isinstance(chosen, NcclTransport):
             raise ValueError(f"torch.compile traces transport='nccl' only, got {chosen.name!r}")
+        if compiling and (validate or isinstance(output_splits, torch.Tensor)):
+            raise ValueError(
+                "under torch.compile pass the splits as lists of ints and validate=False "
+                "(reading tensors or validating would synchronize); validate in an eager call"
+            )
         if capturing:
             checks.check_capturable(output_splits, input_splits, validate, chosen)
         out_splits = checks.splits_list(output_splits, "output_splits", x.device)

@@ -81,6 +81,11 @@ class CopyEngineTransport(Transport):
     def __init__(self, group: dist.ProcessGroup | None = None, row_ranges: int | None = None):
         if row_ranges is not None and (type(row_ranges) is not int or row_ranges < 1):
             raise ValueError(f"row_ranges must be None or a positive int, got {row_ranges!r}")
+        if group is None and not dist.is_initialized():
+            raise RuntimeError(
+                "CopyEngineTransport(group=None) serves the default group: create it after "
+                "torch.distributed.init_process_group, or pass the group"
+            )
         self.group = group if group is not None else dist.group.WORLD
         self.row_ranges = row_ranges
         self.nbytes = 0

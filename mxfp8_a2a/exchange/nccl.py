@@ -33,6 +33,9 @@ def all_to_all(out, inp, out_splits, in_splits, group, async_op: bool) -> dist.W
     then launches it there, without cross-stream events: less latency when nothing runs
     beside it) and returns None."""
     pg = group if group is not None else dist.group.WORLD
+    if not hasattr(pg, "alltoall_base"):  # the binding is not public API: the public call
+        work = dist.all_to_all_single(out, inp, out_splits, in_splits, group, async_op=async_op)
+        return work if async_op else None
     opts = dist.AllToAllOptions()
     opts.asyncOp = async_op
     work = pg.alltoall_base(out, inp, out_splits, in_splits, opts)

@@ -19,8 +19,9 @@ import torch.distributed as dist
 class Transport(abc.ABC):
     """Base class of the exchange's transports.
 
-    Subclasses set ``name`` (for messages) and ``code`` (a small int, unique per class, that
-    cross-rank validation compares), and implement :meth:`check` and :meth:`exchange`.
+    Subclasses set ``name`` (for messages), implement :meth:`check` and :meth:`exchange`,
+    and override :meth:`setting` if ranks must agree on a parameter. Cross-rank checks
+    compare the class (by its qualified name) and ``setting()``. ``code`` is a short id.
     """
 
     name: str = ""

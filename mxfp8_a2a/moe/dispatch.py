@@ -22,6 +22,7 @@ another one makes that collective fail).
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -118,7 +119,7 @@ def _local_error(x, topk_ids, num_experts, world, exchange) -> str | None:
 _AGREE = (
     ("x.requires_grad", 2, "make x require grad on every rank or on none (else the "
      "backward exchange waits for ranks that recorded no graph)"),
-    ("transport", 16, "pass the same kind of transport on every rank"),
+    ("transport", 16, "pass the same kind of transport, with the same settings, on every rank"),
     ("exchange", 2, "pass the same exchange on every rank"),
     ("x.dtype", 8, "pass x in the same dtype on every rank"),
     ("x.shape[1] (hidden)", None, "pass the same hidden size on every rank"),
@@ -127,7 +128,9 @@ _AGREE = (
 
 def _agreement(x: torch.Tensor, exchange: str, transport: Transport) -> int:
     dtype = _DTYPES.index(x.dtype) + 1 if x.dtype in _DTYPES else 0
-    code = (transport.code + 1) % 16 if exchange == "mxfp8" else 0
+    # the transport's class and setting (row ranges), hashed into the field
+    kind = f"{type(transport).__qualname__}:{transport.setting()}".encode()
+    code = zlib.crc32(kind) % 16 if exchange == "mxfp8" else 0
     grad = int(torch.is_grad_enabled() and x.requires_grad)
     return (((x.shape[1] * 8 + dtype) * 2 + EXCHANGES.index(exchange)) * 16 + code) * 2 + grad
 

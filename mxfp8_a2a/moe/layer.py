@@ -2,7 +2,8 @@
 
 A real layer, not only an example: the training script and the MoE benchmark build on it.
 Its experts run as two grouped GEMMs (:func:`mxfp8_a2a.grouped_mm`) over the rows dispatch
-returns, with dispatch's end offsets on the device (no per-expert host list). Its weights are
+returns, with dispatch's end offsets on the device (no per-expert host list; on CUDA with
+bf16 activations or precision="fp8_rowwise" nothing reads them on the host). Its weights are
 drawn for all experts from one seed and sliced, so every world size builds the same model
 (tests compare against a single-process definition).
 """
