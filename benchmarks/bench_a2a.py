@@ -29,7 +29,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from common import Progress, Timer, parse_shape, versions, write_json
+from common import Progress, Timer, parse_shape, sqnr_db, versions, write_json
 from tabulate import tabulate
 
 import mxfp8_a2a as mx
@@ -67,14 +67,6 @@ def make_splits(tokens: int, world: int, rank: int, kind: str) -> list[int]:
         base = [int(tokens * v / sum(w)) for v in w]
     base[rank] += tokens - sum(base)
     return base
-
-
-def sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:
-    ref, approx = ref.double(), approx.double()
-    num, den = ref.pow(2).sum(), (ref - approx).pow(2).sum()
-    for v in (num, den):
-        dist.all_reduce(v)
-    return (10 * torch.log10(num / den)).item()
 
 
 def time_directions(name, f, x, grad, timer) -> dict:

@@ -32,7 +32,7 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
-from common import median, versions, warm_gpu, write_json
+from common import median, sqnr_db, versions, warm_gpu, write_json
 from tabulate import tabulate
 
 import mxfp8_a2a.moe.layer as layer_module
@@ -168,14 +168,6 @@ def time_variant(layer, x, grad, exchange, experts, iters, warmup, cuda) -> dict
     t = torch.tensor([median(per_phase[p]) for p in PHASES], dtype=torch.float64, device=x.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return dict(zip(PHASES, t.tolist(), strict=True))
-
-
-def sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:
-    ref, approx = ref.double(), approx.double()
-    num, den = ref.pow(2).sum(), (ref - approx).pow(2).sum()
-    for v in (num, den):
-        dist.all_reduce(v)
-    return (10 * torch.log10(num / den)).item()
 
 
 def bench_shape(text, variants, iters, warmup, device) -> list[dict]:

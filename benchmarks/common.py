@@ -53,6 +53,15 @@ def warm_gpu(fn: Callable[[], object] | None = None, seconds: float = 2.0) -> No
     do_bench_ms(fn, warmup_ms=int(seconds * 1000), rep_ms=10)
 
 
+def sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:
+    """SQNR in dB of ``approx`` against ``ref`` over all ranks of the default group."""
+    ref, approx = ref.double(), approx.double()
+    num, den = ref.pow(2).sum(), (ref - approx).pow(2).sum()
+    for v in (num, den):
+        dist.all_reduce(v)
+    return (10 * torch.log10(num / den)).item()
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values)
 

@@ -9,7 +9,7 @@ import time
 import torch
 import torch.distributed as dist
 from moe_reference import moe_reference
-from moe_workers import FFN, HIDDEN, _inputs, _layer
+from moe_workers import FFN, HIDDEN, _inputs, _layer, assert_matches_reference
 from robustness_workers import same_error
 
 import mxfp8_a2a as mx
@@ -57,13 +57,7 @@ def _uneven_tokens(rank, world, seed, tokens, top_k):
         for v in ref_w.values():
             v.grad = torch.zeros_like(v)
     rows = slice(sum(tokens[:rank]), sum(tokens[: rank + 1]))
-    local = slice(rank * experts // world, (rank + 1) * experts // world)
-    tol = dict(rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(out, ref[rows], **tol)
-    torch.testing.assert_close(x.grad, x_all.grad[rows], **tol)
-    torch.testing.assert_close(router_grad, ref_w["router"].grad, **tol)
-    torch.testing.assert_close(layer.w1.grad, ref_w["w1"].grad[local], **tol)
-    torch.testing.assert_close(layer.w2.grad, ref_w["w2"].grad[local], **tol)
+    assert_matches_reference(out, x, router_grad, layer, ref, x_all, ref_w, rows, rank, world)
 
     layer = _layer(world, dev, seed, top_k, "mxfp8", "normal", experts)
     x.grad = None

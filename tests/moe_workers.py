@@ -73,6 +73,13 @@ def matches_reference(rank, world, backend, seed, top_k, routing):
     ref = moe_reference(x_all, ref_w, top_k)
     (ref * torch.cat(gs)).sum().backward()
     rows = slice(rank * TOKENS, (rank + 1) * TOKENS)
+    assert_matches_reference(out, x, router_grad, layer, ref, x_all, ref_w, rows, rank, world)
+
+
+def assert_matches_reference(out, x, router_grad, layer, ref, x_all, ref_w, rows, rank, world):
+    """This rank's output and gradients (x, the summed router, its local experts' w1 and w2)
+    against the single-process reference's, ``rows`` being this rank's tokens in it."""
+    experts = ref_w["w1"].shape[0]
     local = slice(rank * experts // world, (rank + 1) * experts // world)
     tol = dict(rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(out, ref[rows], **tol)

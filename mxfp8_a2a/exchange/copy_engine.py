@@ -76,7 +76,7 @@ class CopyEngineTransport(Transport):
     exchange is).
     """
 
-    name, code, capturable = "copy_engine", 1, False
+    name, capturable = "copy_engine", False
 
     def __init__(self, group: dist.ProcessGroup | None = None, row_ranges: int | None = None):
         if row_ranges is not None and (type(row_ranges) is not int or row_ranges < 1):

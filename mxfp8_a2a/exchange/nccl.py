@@ -50,7 +50,7 @@ class NcclTransport(Transport):
     """``transport="nccl"`` (the default): any group, CUDA tensors over NCCL or CPU tensors
     over gloo. Stateless; CUDA-graph capturable."""
 
-    name, code, capturable = "nccl", 0, True
+    name, capturable = "nccl", True
 
     def check(self, device: torch.device, group: dist.ProcessGroup | None) -> None:
         if device.type not in ("cpu", "cuda"):

@@ -21,11 +21,10 @@ class Transport(abc.ABC):
 
     Subclasses set ``name`` (for messages), implement :meth:`check` and :meth:`exchange`,
     and override :meth:`setting` if ranks must agree on a parameter. Cross-rank checks
-    compare the class (by its qualified name) and ``setting()``. ``code`` is a short id.
+    compare the class (by its qualified name) and ``setting()``.
     """
 
     name: str = ""
-    code: int = -1
     capturable: bool = False  # whether exchange() can run under CUDA graph capture
 
     def setting(self) -> int:
