@@ -58,22 +58,15 @@ COPY_ENGINE_MAX_RANGES = 2
 # 111.0-114.4 / 134.1-138.2 / 135.5-142.5 uncapped; 56 measured within 4% of 64, 48 and 40
 # slower at 64 groups (150-201 us).
 #
-# Chunk kernel (kernels_colwise.py; every other layout, e.g. colwise scales of a row-major x
-# with row- or column-major data, the grad_w operands of a grouped GEMM): tiles of
-# ``block_other`` x ``block_group`` elements, read twice (the second time from L2) by programs
-# ``lag`` tickets apart. The launcher makes a super-strip of up to ``max_strips`` strips whose
-# tiles take at most ``l2_bytes`` and lags by one super-strip plus ``margin_per_sm`` items per
-# SM (what is live between the two reads: about (lag + resident programs) tiles).
-# Values: the design's starting point, NOT yet measured on a GPU (no device time was left for
-# it on 2026-12-01): 16 KB tiles of 4 warps; 128 x 64 with at most 96 registers compiled for
-# sm_90a (triton 3.9's ptxas, 2026-12-01) without spills for bf16 row- and column-major data
-# (5 programs per SM), where 64 x 128 needed 116-128 (column-major data spilled below 128).
-# At (16640, 8192) bf16 on 132 SMs: 1 strip per super-strip, lag 260 + 8 * 132 = 1316 tiles
-# (21 MB live between the reads, under half the 50 MB L2; the margin exceeds the ~660
-# resident programs, so a pass 2 rarely waits). scripts/tune_per_group.py --kind colwise
-# sweeps these.
-# Replaced (2026-11-30 design, group-item kernel: whole group per tile, persistent): 370 / 294 /
-# 219 us at 1 / 16 / 64 groups on an H200 for colwise (16640, 8192), 1.1-1.9 TB/s effective.
+# Colwise kernels (kernels_colwise.py; every other layout, e.g. colwise scales of a row-major
+# x with row- or column-major data, the grad_w operands of a grouped GEMM, the forward's
+# weights): an amax launch over tiles of ``block_other`` x ``amax_rows`` and a cast launch over
+# tiles of ``block_other`` x ``cast_rows`` of the destination, both ``sub`` rows at a time.
+# Values: the design's starting point (16 KB amax tiles, 8 KB cast tiles, 4 warps); not yet
+# swept, scripts/tune_per_group.py --kind colwise does.
+# Replaced: the chunk kernel (one launch, each tile read twice by programs a lag of tickets
+# apart, the second read meant to hit L2): 223-300 us at 1-64 groups for colwise (16640,
+# 8192) on an H200 at its best tiling of nine (2026-12-01), 1.4-1.8 TB/s effective.
 
 
 class RowBlockTiling(NamedTuple):
@@ -89,33 +82,27 @@ class RowBlockTiling(NamedTuple):
         return (self.max_class // self.min_group).bit_length()
 
 
-class ChunkTiling(NamedTuple):
+class ColwiseTiling(NamedTuple):
     block_other: int
-    block_group: int
+    amax_rows: int
+    cast_rows: int
+    sub: int
     num_warps: int
-    l2_bytes: int
-    max_strips: int
-    margin_per_sm: int
-    maxnreg: int = 0
 
 
 ROWWISE_TILING = RowBlockTiling(
     tile=4096, item=8192, min_group=32, max_class=512, num_warps=4, maxnreg=64
 )  # fmt: skip
-COLWISE_TILING = ChunkTiling(
-    block_other=128, block_group=64, num_warps=4, l2_bytes=8 << 20, max_strips=8,
-    margin_per_sm=8, maxnreg=96,
-)  # fmt: skip
+COLWISE_TILING = ColwiseTiling(block_other=128, amax_rows=128, cast_rows=64, sub=32, num_warps=4)
 # The interpreter (CPU tests): few classes, so that tests of a few hundred rows run every
-# class and the loop; small chunk tiles and super-strips of up to 2 strips, so that they run
-# several strips, chunks and super-strips (the last one partial). Its margin counts items.
+# class and the loop; small colwise tiles, so that they run several strips and chunks.
 INTERPRET_ROWWISE_TILING = RowBlockTiling(1024, 1024, 16, 128, 4)
-INTERPRET_COLWISE_TILING = ChunkTiling(32, 64, 4, 1 << 30, 2, 2)
+INTERPRET_COLWISE_TILING = ColwiseTiling(16, 32, 16, 8, 4)
 
 
-def per_group_tiling(group_dim: int, interpreted: bool) -> RowBlockTiling | ChunkTiling:
+def per_group_tiling(group_dim: int, interpreted: bool) -> RowBlockTiling | ColwiseTiling:
     """Tiling of the kernel for groups along dim ``group_dim`` (1: the row-block kernel,
-    0: the chunk kernel)."""
+    0: the colwise kernels)."""
     if interpreted:
         return INTERPRET_ROWWISE_TILING if group_dim == 1 else INTERPRET_COLWISE_TILING
     return ROWWISE_TILING if group_dim == 1 else COLWISE_TILING

@@ -2,12 +2,12 @@
 
     python scripts/tune_per_group.py [--kind rowwise|colwise|both] [--json out.json]
         [--rowwise TILE,ITEM,MAX_CLASS,WARPS[,MAXNREG]]...
-        [--colwise BO,BL,WARPS,L2_MB,MAX_STRIPS,MARGIN_PER_SM[,MAXNREG]]...
+        [--colwise BO,AMAX_ROWS,CAST_ROWS,SUB,WARPS]...
 
 x (16640, 8192) bf16, 1/16/64 jagged groups (end offsets multiples of 16), validate=False;
 prints microseconds and effective GB/s (3 bytes per element) for each tiling tried:
 rowwise: per_group_rowwise_scales(x, offs) (the row-block kernel, ``_config.RowBlockTiling``);
-colwise: the chunk kernel (``_config.ChunkTiling``) in the grad_w layout,
+colwise: the colwise kernels (``_config.ColwiseTiling``) in the grad_w layout,
 per_group_colwise_scales(x, offs, data_layout="column_major"), and with row-major data.
 The best go into mxfp8_a2a/_config.py.
 """
@@ -33,10 +33,9 @@ ROWWISE = [  # tile, item, max_class, warps, maxnreg
     (4096, 8192, 512, 4, 64), (4096, 8192, 512, 4, 0), (4096, 8192, 256, 4, 64),
     (4096, 16384, 512, 4, 64), (2048, 8192, 512, 4, 64),
 ]  # fmt: skip
-COLWISE = [  # block_other, block_group, warps, l2 MB, max_strips, margin_per_sm, maxnreg
-    (128, 64, 4, 8, 8, 8, 96), (128, 64, 4, 16, 8, 8, 96), (128, 64, 4, 4, 8, 8, 96),
-    (128, 64, 4, 8, 8, 4, 96), (128, 64, 4, 8, 8, 16, 96), (128, 64, 4, 8, 8, 8, 0),
-    (64, 128, 4, 8, 8, 8, 128), (64, 64, 4, 8, 8, 8, 0), (128, 128, 8, 8, 8, 8, 128),
+COLWISE = [  # block_other, amax_rows, cast_rows, sub, warps
+    (128, 128, 64, 32, 4), (128, 256, 64, 32, 4), (128, 128, 128, 32, 4), (64, 128, 64, 32, 4),
+    (128, 128, 64, 16, 4), (128, 128, 64, 64, 8), (256, 128, 64, 16, 4), (128, 64, 32, 32, 4),
 ]  # fmt: skip
 
 
@@ -45,9 +44,8 @@ def rowwise_tiling(v) -> _config.RowBlockTiling:
     return _config.RowBlockTiling(tile, item, 32, max_class, warps, *maxnreg)
 
 
-def colwise_tiling(v) -> _config.ChunkTiling:
-    bo, bl, warps, l2_mb, max_strips, margin, *maxnreg = v
-    return _config.ChunkTiling(bo, bl, warps, l2_mb << 20, max_strips, margin, *maxnreg)
+def colwise_tiling(v) -> _config.ColwiseTiling:
+    return _config.ColwiseTiling(*v)
 
 
 def main() -> None:
@@ -57,9 +55,7 @@ def main() -> None:
     p.add_argument("--json")
     p.add_argument("--kind", choices=["rowwise", "colwise", "both"], default="both")
     p.add_argument("--rowwise", action="append", metavar="TILE,ITEM,MAX_CLASS,WARPS[,MAXNREG]")
-    p.add_argument(
-        "--colwise", action="append", metavar="BO,BL,WARPS,L2_MB,MAX_STRIPS,MARGIN[,MAXNREG]"
-    )
+    p.add_argument("--colwise", action="append", metavar="BO,AMAX_ROWS,CAST_ROWS,SUB,WARPS")
     p.add_argument("--groups", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--rounds", type=int, default=1, help="times through the list, interleaved")
     p.add_argument(

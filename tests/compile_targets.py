@@ -21,7 +21,7 @@ from mxfp8_a2a.formats.dequantize import _dequantize_kernel  # noqa: E402
 from mxfp8_a2a.formats.quantize import _quantize_kernel  # noqa: E402
 from mxfp8_a2a.formats.roundtrip import _roundtrip_kernel  # noqa: E402
 from mxfp8_a2a.grouped.kernels import _row_block_kernel  # noqa: E402
-from mxfp8_a2a.grouped.kernels_colwise import _chunk_kernel  # noqa: E402
+from mxfp8_a2a.grouped.kernels_colwise import _amax_kernel, _cast_kernel  # noqa: E402
 
 I32 = "i32"
 GAP = ["n_groups", "groups_per_row", "gap_at", "gap_len"]
@@ -52,7 +52,7 @@ def per_group_sig(dtype):
 
 def per_group_builds(cap):
     """The rowwise kernel (row-major x, bf16 with 32- and 64-bit offsets, fp32) and the
-    colwise kernel, with the GPU tilings and the strides the benchmarks give them."""
+    colwise kernels, with the GPU tilings and the strides the benchmarks give them."""
     tile = _config.ROWWISE_TILING
     for dtype, int64, block in (("bf16", False, 64), ("bf16", True, 1), ("fp32", False, 16)):
         sig = per_group_sig(dtype)
@@ -63,18 +63,24 @@ def per_group_builds(cap):
         ptx = build(_row_block_kernel, sig, consts, cap, aligned, tile.num_warps, tile.maxnreg)
         yield "per_group_rowwise", f"{dtype}-{'int64' if int64 else 'int32'}", ptx
     col = _config.COLWISE_TILING
-    names = PER_GROUP_ARGS[:4] + ["ws_ptr"] + PER_GROUP_ARGS[4:]
-    names += ["n_chunks", "n_strips", "sps", "lag"]
-    sig = dict.fromkeys(names, I32) | {
-        "x_ptr": "*bf16", "offs_ptr": "*i32", "scale_ptr": "*fp32", "data_ptr": "*u8",
-        "ws_ptr": "*i32",
-    }  # fmt: skip
-    consts = {"sxo": 1, "sdg": 1, "ROUND_POW2": True, "SOFT": False, "INT64": False}
-    consts |= {"BO": col.block_other, "BL": col.block_group, "BG": 64, "ALIGN": 16}
-    consts |= {"UNALIGNED": 16}
-    aligned = PER_GROUP_ARGS[:6] + ["ws_ptr", "sxg", "sdo"]
-    ptx = build(_chunk_kernel, sig, consts, cap, aligned, col.num_warps, col.maxnreg)
-    yield "per_group_colwise", "bf16", ptx
+    common = {"SOFT": False, "INT64": False, "BO": col.block_other, "SUB": col.sub, "BG": 64}
+    names = ["x_ptr", "offs_ptr", "ws_ptr", "n_other", "extent", "n_groups", "sxb", "sxo", "sxg"]
+    sig = dict.fromkeys(names + ["n_strips"], I32)
+    sig.update(x_ptr="*bf16", offs_ptr="*i32", ws_ptr="*i32")
+    consts = {"sxo": 1, "BL": col.amax_rows, **common}
+    aligned = ["x_ptr", "offs_ptr", "ws_ptr", "n_other", "extent", "sxb", "sxg"]
+    ptx = build(_amax_kernel, sig, consts, cap, aligned, col.num_warps)
+    yield "per_group_colwise_amax", "bf16", ptx
+    names = ["x_ptr", "offs_ptr", "ws_ptr", "scale_ptr", "data_ptr", "pad_ptr", "n_other"]
+    names += ["extent", "n_groups", "dest_extent", "sxb", "sxo", "sxg", "sdb", "sdo", "sdg"]
+    sig = dict.fromkeys(names + ["n_strips", "n_chunks"], I32)
+    sig.update(x_ptr="*bf16", offs_ptr="*i32", ws_ptr="*i32", scale_ptr="*fp32")
+    sig.update(data_ptr="*u8", pad_ptr="*i32")
+    # the grad_w operand: row-major x, transposed padded data
+    consts = {"sxo": 1, "sdg": 1, "ROUND_POW2": True, "PAD": True, "BL": col.cast_rows, **common}
+    aligned = names[:7] + ["dest_extent", "sxb", "sxg", "sdb", "sdo"]
+    ptx = build(_cast_kernel, sig, consts, cap, aligned, col.num_warps)
+    yield "per_group_colwise_cast", "bf16", ptx
 
 
 for cap in (90, 100):

@@ -22,7 +22,7 @@ def builds():
 
 
 def test_every_variant_compiles(builds):
-    assert len(builds) == 2 * (2 * 2 + 2 + 2 + 4)
+    assert len(builds) == 2 * (2 * 2 + 2 + 2 + 5)
 
 
 def test_per_group_kernels_move_whole_vectors(builds):
@@ -47,4 +47,6 @@ def test_e8m0_instruction_only_on_blackwell(builds):
 
 
 def test_hardware_e4m3_conversion(builds):
-    assert all(b["e4m3_cvt"] for b in builds), builds
+    """Every kernel that writes e4m3 (all but the colwise amax pass) converts in hardware."""
+    casts = [b for b in builds if not b["kernel"].endswith("_amax")]
+    assert all(b["e4m3_cvt"] for b in casts), builds

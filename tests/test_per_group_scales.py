@@ -8,7 +8,6 @@ from helpers import KERNEL_DEVICES, bits, fresh_generator
 
 from mxfp8_a2a import per_group_colwise_scales, per_group_rowwise_scales
 from mxfp8_a2a.grouped import per_group_scales
-from mxfp8_a2a.grouped.kernels_colwise import lag_and_supers
 from mxfp8_a2a.grouped.reference import per_group_colwise_reference, per_group_rowwise_reference
 
 LAYOUTS = ("row_major", "column_major")
@@ -110,7 +109,7 @@ def test_every_layout_and_method(device, layout, kind):
 
 def test_auto_reads_in_place(monkeypatch):
     """method="auto" runs the row-block kernel (group_dim 1) where the group axis is
-    contiguous in x and in the data and the chunk kernel (group_dim 0) elsewhere, always on
+    contiguous in x and in the data and the colwise kernels (group_dim 0) elsewhere, always on
     x's own storage (no copy). CPU, torch-free: the op is replaced by a recorder."""
     calls = []
 
@@ -186,17 +185,6 @@ def test_empty_extents(device):
                 )
 
 
-def test_lag_covers_a_super_strip():
-    """The chunk kernel's deadlock-freedom: every item of the super-strip a program waits on
-    has a lower ticket, i.e. lag >= items per super-strip; the live tiles fit the budget."""
-    for n_chunks, n_strips in ((260, 64), (1, 1), (7, 3), (4096, 128), (3, 1000)):
-        for margin in (0, 5, 10**6):
-            sps, lag = lag_and_supers(n_chunks, n_strips, 16384, 16 << 20, 8, margin)
-            assert 1 <= sps <= min(8, n_strips)
-            assert n_chunks * sps <= lag <= n_chunks * n_strips
-            assert sps == 1 or n_chunks * sps * 16384 <= 16 << 20
-
-
 def test_row_block_size():
     """Rows per rowwise item: about tiling.item elements for a group of average width, a
     power of two, never more than the tensor's rows (rounded up) or MAX_ROW_BLOCK."""
@@ -260,9 +248,9 @@ def test_groups_longer_than_one_tile(dtype):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("n_groups", [1, 16, 64])
-def test_chunk_kernel_at_scale(n_groups):
-    """Thousands of programs in flight: tickets, the lag and the atomics under real
-    concurrency (many super-strips, every layout the grad_w GEMM uses)."""
+def test_colwise_kernels_at_scale(n_groups):
+    """Thousands of programs in flight: the atomics under real concurrency, every layout the
+    grad_w GEMM uses."""
     g = fresh_generator()
     x = _data((8200, 2048), torch.bfloat16, "cuda", g)
     offs = _offsets(8200, n_groups, g, "aligned" if n_groups != 16 else "uneven").cuda()

@@ -1,6 +1,6 @@
 """Triton kernels of the per-group FP8 scaling, rowwise: the row-block kernel (groups along
-the contiguous axis of x and of the data), and the helpers it shares with the chunk kernel
-(kernels_colwise.py). See per_group_scales.py for the launchers and reference.py for the
+the contiguous axis of x and of the data), and the helpers it shares with the colwise
+kernels (kernels_colwise.py). See per_group_scales.py for the launchers and reference.py for the
 definition they match."""
 
 from __future__ import annotations

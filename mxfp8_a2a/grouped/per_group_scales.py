@@ -2,8 +2,8 @@
 (group, row), for FP8-rowwise grouped GEMMs.
 
 Layers: two Triton kernels, both reading and writing any strides: the row-block kernel
-(kernels.py, groups along the contiguous axis of x and of the data) and the chunk kernel
-(kernels_colwise.py, every other layout) -> launcher -> custom op
+(kernels.py, groups along the contiguous axis of x and of the data) and the colwise kernels
+(kernels_colwise.py, every other layout: an amax launch and a cast launch) -> launcher -> custom op
 ``mxfp8_a2a::per_group_scales`` -> ``per_group_colwise_scales`` / ``per_group_rowwise_scales``.
 Rowwise scales of x are colwise scales of x.t() (the same numbers, the data transposed), so
 each function can run either kernel without a copy ("direct": its own orientation;
@@ -17,9 +17,9 @@ import torch
 import triton
 
 from .. import _config
-from .._common import resolve_backend, sm_count
+from .._common import resolve_backend
 from .kernels import _row_block_kernel
-from .kernels_colwise import _chunk_kernel, lag_and_supers
+from .kernels_colwise import _amax_kernel, _cast_kernel
 from .reference import (
     DATA_LAYOUTS,
     empty_data,
@@ -53,7 +53,7 @@ def _per_group_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Groups along ``group_dim``: data e4m3 shaped like x (row-major, or column-major),
     scales fp32 (G, x.shape[1 - group_dim]). group_dim 1 runs the row-block kernel, 0 the
-    chunk kernel. No host synchronization."""
+    colwise kernels. No host synchronization."""
     g = offs.numel()
     soft = x.device.type == "cpu"
     other_dim = 1 - group_dim
@@ -81,35 +81,41 @@ def _per_group_triton(
             num_warps=t.num_warps, **({"maxnreg": t.maxnreg} if t.maxnreg and not soft else {}),
         )  # fmt: skip
     else:
-        _launch_chunk(x, offs, scales, data, pow2, soft, int64, strides)
+        scales = _colwise(x.unsqueeze(0), offs, pow2, data.unsqueeze(0), None)[0]
     return data.view(torch.float8_e4m3fn), scales
 
 
-def _launch_chunk(x, offs, scales, data, pow2: bool, soft: bool, int64: bool, strides) -> None:
-    """The chunk kernel, groups along dim 0 of x. The register cap applies where it compiled
-    without spills (sm_90a, bf16 x read or written along whole vectors both ways); x with no
-    unit stride moves element by element and takes a quarter of the tile's columns (at the
-    full tile its addresses spilled whatever the cap)."""
+def _colwise(
+    x: torch.Tensor, offs: torch.Tensor, pow2: bool, data: torch.Tensor, pad: torch.Tensor | None
+) -> torch.Tensor:
+    """The colwise kernels (kernels_colwise.py): x [B, extent, n_other], groups along dim 1,
+    any strides; data uint8 [B, dest_extent, n_other], any strides, every element written
+    (dest_extent: extent, or with ``pad`` int32 [G] the padded length, which receives the
+    padded end offsets). Returns scales fp32 [B, G, n_other]. No host synchronization."""
+    soft = x.device.type == "cpu"
     c = _config.per_group_tiling(0, interpreted=soft)
-    sxo, sxg, _, sdg = strides
-    block_other = c.block_other if 1 in (sxo, sxg) else max(16, c.block_other // 4)
-    capped = x.element_size() == 2 and (sxo == 1 or sxg == sdg == 1) and not soft
-    g, (extent, n_other) = offs.numel(), x.shape
-    n_strips = triton.cdiv(n_other, block_other)
-    n_chunks = triton.cdiv(extent, c.block_group)
-    tile_bytes = block_other * c.block_group * x.element_size()
-    margin = c.margin_per_sm * (1 if soft else sm_count(x.device))
-    sps, lag = lag_and_supers(n_chunks, n_strips, tile_bytes, c.l2_bytes, c.max_strips, margin)
-    ws = torch.zeros(
-        1 + triton.cdiv(n_strips, sps) + g * n_other, dtype=torch.int32, device=x.device
-    )
-    _chunk_kernel[(n_chunks * n_strips + lag,)](
-        x, offs, scales, data, ws, n_other, extent, g, *strides, n_chunks, n_strips, sps, lag,
-        ROUND_POW2=pow2, SOFT=soft, INT64=int64 or ws.numel() >= INT64_FROM, BO=block_other,
-        BL=c.block_group, BG=max(2, triton.next_power_of_2(g)),
-        ALIGN=16 if 1 in (sxg, sdg) else 1, UNALIGNED=min(16, c.block_group),
-        num_warps=c.num_warps, **({"maxnreg": c.maxnreg} if c.maxnreg and capped else {}),
+    batch, extent, n_other = x.shape
+    dest_extent, g = data.shape[1], offs.numel()
+    scales = torch.empty((batch, g, n_other), dtype=torch.float32, device=x.device)
+    ws = torch.zeros((batch, g, n_other), dtype=torch.int32, device=x.device)
+    if min(batch, n_other, dest_extent) == 0:
+        return scales.fill_(scales_from_amax(torch.zeros(()), pow2).item())
+    int64 = max(_extent(x), _extent(data), ws.numel()) >= INT64_FROM
+    n_strips = triton.cdiv(n_other, c.block_other)
+    common = dict(SOFT=soft, INT64=int64, BO=c.block_other, SUB=c.sub,
+                  BG=max(2, triton.next_power_of_2(g)), num_warps=c.num_warps)  # fmt: skip
+    if extent:
+        _amax_kernel[(triton.cdiv(extent, c.amax_rows) * n_strips, batch)](
+            x, offs, ws, n_other, extent, g, x.stride(0), x.stride(2), x.stride(1), n_strips,
+            BL=c.amax_rows, **common,
+        )  # fmt: skip
+    n_chunks = triton.cdiv(dest_extent, c.cast_rows)
+    _cast_kernel[(n_chunks * n_strips, batch)](
+        x, offs, ws, scales, data, ws if pad is None else pad, n_other, extent, g, dest_extent,
+        x.stride(0), x.stride(2), x.stride(1), data.stride(0), data.stride(2), data.stride(1),
+        n_strips, n_chunks, ROUND_POW2=pow2, PAD=pad is not None, BL=c.cast_rows, **common,
     )  # fmt: skip
+    return scales
 
 
 @torch.library.custom_op("mxfp8_a2a::per_group_scales", mutates_args=())
@@ -133,7 +139,7 @@ def _contiguous_along(t: torch.Tensor, dim: int) -> bool:
 
 def _triton(x, offs, pow2: bool, group_dim: int, method: str, data_layout: str):
     """Run the kernel ``method`` names; "auto": the row-block kernel where the group axis is
-    contiguous in x and in the data, the chunk kernel everywhere else."""
+    contiguous in x and in the data, the colwise kernels everywhere else."""
     column_major = data_layout == "column_major"
     offs = offs.contiguous()  # the kernels read offs[g] at offs_ptr + g
     if method == "auto":
@@ -189,7 +195,7 @@ _DOC_COMMON = """
         backend: "auto" (Triton on CUDA, torch on CPU), "triton", "torch".
         method: which kernel (results are identical): "auto" picks from the strides (the
             row-block kernel where the group axis is contiguous in x and in the data, the
-            chunk kernel otherwise; never a copy); "direct" runs this function's own
+            colwise kernels otherwise; never a copy); "direct" runs this function's own
             orientation on x, "transpose" the other one's on the view x.t().
         data_layout: "row_major" (data contiguous) or "column_major" (data.t() contiguous),
             written by the kernel directly.
