@@ -225,18 +225,11 @@ def test_fp8_reference_close_to_bf16(kind):
         assert sqnr_db(b, a) >= SQNR_FLOOR_DB, (name, sqnr_db(b, a))
 
 
-# the module's layout switches: (_STRIDED_WEIGHTS, _PAD_ROWS); the first is the default
-LAYOUT_OPTIONS = [(False, False), (True, False), (False, True)]
-
-
-@pytest.mark.parametrize("options", LAYOUT_OPTIONS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("kind", KINDS)
-def test_fp8_cuda_path_emulated_matches_reference(emulated, monkeypatch, dtype, kind, options):
+def test_fp8_cuda_path_emulated_matches_reference(emulated, dtype, kind):
     """The CUDA FP8 code (operand casts, layouts, token padding, scale shapes) on CPU with
     torch._scaled_grouped_mm emulated: the reference's numbers up to fp32 summation order."""
-    monkeypatch.setattr(gm, "_STRIDED_WEIGHTS", options[0])
-    monkeypatch.setattr(gm, "_PAD_ROWS", options[1])
     args = _inputs(203, 64, 48, 6, kind, dtype, "cpu", fresh_generator())
     got = _fwd_bwd(emulated, *args)
     _close(got, _fwd_bwd(_reference("fp8_rowwise"), *args), "fp8_rowwise")
@@ -248,26 +241,10 @@ def test_fp8_cuda_path_emulated_is_exact_on_representable_data(emulated):
     _close(_fwd_bwd(emulated, *args), _exact(*args), "fp8_rowwise")
 
 
-def test_padded_token_groups():
-    offs = torch.tensor([0, 5, 5, 37, 37, 40], dtype=torch.int32)
-    dest, pad_offs, cap = gm._padded_groups(offs, 40)
-    assert cap == 48 + 16 * 6
-    ends = pad_offs.tolist()
-    sizes = [b - a for a, b in zip([0] + ends[:-1], ends, strict=True)]
-    assert ends[-1] == cap and all(s >= 16 and s % 16 == 0 for s in sizes), sizes
-    starts = [0] + ends[:-1]
-    want = [starts[1] + i for i in range(5)] + [starts[3] + i for i in range(32)]
-    want += [starts[5] + i for i in range(3)]
-    assert dest.tolist() == want
-
-
-@pytest.mark.parametrize("options", LAYOUT_OPTIONS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_cuda_paths_trace_with_fake_cuda_tensors(monkeypatch, dtype, options):
+def test_cuda_paths_trace_with_fake_cuda_tensors(dtype):
     """Both CUDA Functions, forward and backward, on fake CUDA tensors: torch's meta kernels
     of _grouped_mm / _scaled_grouped_mm accept every operand (dtype, layout, scale shapes)."""
-    monkeypatch.setattr(gm, "_STRIDED_WEIGHTS", options[0])
-    monkeypatch.setattr(gm, "_PAD_ROWS", options[1])
     m, k, n, e = 45, 32, 48, 4
     with FakeTensorMode():
         x = torch.empty(m, k, device="cuda", dtype=dtype)
@@ -432,20 +409,6 @@ def test_gpu_fp8_matches_reference(dtype, kind, m):
     got = _fwd_bwd(_public("fp8_rowwise"), *args)
     _close(got, _fwd_bwd(_reference("fp8_rowwise"), *args), "fp8_rowwise")
     assert all(t.dtype == dtype for t in got)
-
-
-@needs_sm90
-@pytest.mark.parametrize("options", LAYOUT_OPTIONS[1:])
-@pytest.mark.parametrize("kind", KINDS)
-def test_gpu_fp8_layout_options(monkeypatch, kind, options):
-    """The module's other layouts against the reference: the forward's weights as the
-    per-group kernel's column-major output (_STRIDED_WEIGHTS, no copy), and row groups
-    re-laid on 16-aligned starts (_PAD_ROWS)."""
-    monkeypatch.setattr(gm, "_STRIDED_WEIGHTS", options[0])
-    monkeypatch.setattr(gm, "_PAD_ROWS", options[1])
-    args = _gpu_inputs(kind)
-    got = _fwd_bwd(_public("fp8_rowwise"), *args)
-    _close(got, _fwd_bwd(_reference("fp8_rowwise"), *args), "fp8_rowwise")
 
 
 @needs_sm90

@@ -59,7 +59,7 @@ def _same(got, want):
     [(1, "uneven"), (16, "uneven"), (32, "with_empty"), (5, "one_holds_all"), (6, "aligned")],
 )
 def test_colwise_and_rowwise_match_reference(device, dtype, pow2, n_groups, kind):
-    """Both kernels (chunk: colwise of a row-major x; row-block: rowwise of a row-major x),
+    """Both kernels (colwise: of a row-major x; row-block: rowwise of a row-major x),
     odd sizes (203 rows: no block size divides it), jagged, empty and all-holding groups."""
     g = fresh_generator()
     m, k = (208 if kind == "aligned" else 203), 96
@@ -183,6 +183,43 @@ def test_empty_extents(device):
                     per_group_colwise_scales(x, offs, **kw),
                     per_group_colwise_reference(x, offs, False, layout),
                 )
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("kind", ["uneven", "with_empty", "one_holds_all", "aligned"])
+def test_padded_token_scales(device, kind):
+    """The grad_w operand layout: rowwise of x.t() with each group's tokens from a multiple of
+    16, at least 16 wide, zeros between, the padded ends out; the reference's numbers."""
+    g = fresh_generator()
+    m, k, n_groups = 203, 40, 7
+    x = _data((m, k), torch.bfloat16, device, g)
+    offs = _offsets(m, n_groups, g, kind).to(device)
+    data, scales, pad = per_group_scales.padded_token_scales(x, offs)
+    want_data, want_scales = per_group_rowwise_reference(x.t(), offs)
+    torch.testing.assert_close(scales, want_scales, rtol=0, atol=0, equal_nan=True)
+    cap = per_group_scales.padded_length(m, n_groups)
+    assert data.shape == (k, cap) and data.is_contiguous() and pad.dtype == torch.int32
+    ends, pad_ends = offs.tolist(), pad.tolist()
+    assert pad_ends[-1] == cap
+    want = torch.zeros(k, cap, dtype=torch.uint8)
+    for s, e, p, r in zip([0] + ends[:-1], ends, [0] + pad_ends[:-1], pad_ends, strict=True):
+        assert p % 16 == 0 and r - p >= max(16, e - s), (p, r, s, e)
+        want[:, p : p + e - s] = bits(want_data[:, s:e]).cpu()
+    assert torch.equal(bits(data).cpu(), want)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_expert_column_scales(device):
+    """The forward's weights: per (expert, column) over K, each expert column-major."""
+    g = fresh_generator()
+    e, k, n = 3, 72, 40
+    w = _data((e * k, n), torch.bfloat16, device, g)
+    offs = torch.arange(1, e + 1, dtype=torch.int32, device=device) * k
+    data, scales = per_group_scales.expert_column_scales(w.view(e, k, n))
+    want_data, want_scales = per_group_colwise_reference(w, offs)
+    assert data.shape == (e, k, n) and data.stride() == (n * k, 1, k)
+    torch.testing.assert_close(scales, want_scales, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(bits(data.reshape(e * k, n)), bits(want_data))
 
 
 def test_row_block_size():

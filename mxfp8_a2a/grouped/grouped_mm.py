@@ -18,13 +18,16 @@ an older and the current one) and in the meta kernels of torch 2.13, and how the
   2-D x 3-D scales: scale_a [M], scale_b [E, N]; 2-D x 2-D: scale_a [E * K], scale_b [E * N];
 - 2-D x 2-D FP8 (grad_w, groups along the tokens, the contraction axis): each group but the
   last must span a multiple of 16 tokens (TMA), and some torch versions assert every group
-  is non-empty. Token groups are therefore re-laid on the device into a zero-padded buffer
-  whose groups start on multiples of 16 and hold at least 16 tokens (static size
-  round_up(M, 16) + 16 E; zero tokens add nothing), with offsets computed on the device.
-  The bf16 2-D x 2-D GEMM reads x^T column-major and grad_out row-major, the layout for
-  which torch checks neither alignment nor non-empty groups, so it needs no padding;
+  is non-empty. The per-group kernel therefore writes both operands with each group's tokens
+  starting on a multiple of 16 and at least 16 wide, zeros between (static length
+  round_up(M, 16) + 16 E; zero tokens add nothing), and the padded offsets, on the device
+  (per_group_scales.padded_token_scales). The bf16 2-D x 2-D GEMM reads x^T column-major and
+  grad_out row-major, the layout for which torch checks neither alignment nor non-empty
+  groups, so it needs no padding;
 - 2-D x 3-D (forward, grad_x, groups along M): torch checks no group alignment there (row
-  pointers move by whole rows of K, a multiple of 16 bytes), so rows stay where they are.
+  pointers move by whole rows of K, a multiple of 16 bytes), so rows stay where they are;
+  the forward's weights come column-major per expert from the per-group kernel
+  (per_group_scales.expert_column_scales), grad_x's are w's own storage.
 Nothing here reads offs on the host except the CPU loop and ``validate=True``.
 """
 
@@ -35,21 +38,15 @@ import functools
 import torch
 
 from .grouped_mm_reference import grouped_mm_reference
-from .per_group_scales import per_group_colwise_scales, per_group_rowwise_scales
+from .per_group_scales import (
+    expert_column_scales,
+    padded_token_scales,
+    per_group_rowwise_scales,
+)
 
 PRECISIONS = ("bf16", "fp8_rowwise")
 MAX_GROUPS = 1023  # torch's CUTLASS grouped GEMMs: "Can't process more than 1024 groups"
 _BACKEND = "auto"  # of the per-group scaling calls (tests set "triton" under the interpreter)
-# The forward's mat_b straight from the per-group kernel's column-major output, a view with
-# expert stride K and column stride E*K (no copy). torch's meta checks accept it and its
-# kernel takes per-expert pointers and strides from the tensor; off until a GPU run of
-# test_gpu_fp8_layout_options confirms it.
-_STRIDED_WEIGHTS = False
-# Row groups of the 2-D x 3-D FP8 GEMMs (forward, grad_x) re-laid like grad_w's token groups
-# (16-aligned starts). torch's own tests of those GEMMs use groups of 16 rows only; this is
-# the fallback should other sizes fail on a GPU (test_gpu_fp8_layout_options runs both).
-_PAD_ROWS = False
-_FP8 = torch.float8_e4m3fn
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -74,27 +71,6 @@ def _host_bounds(offs: torch.Tensor, extent: int) -> list[tuple[int, int]]:
             f"row), got {ends[-1]}"
         )
     return list(zip(starts, ends, strict=True))
-
-
-def _padded_groups(offs: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Where each of the m rows goes in a buffer of ``cap`` rows whose groups start on
-    multiples of 16 and hold at least 16 rows, all on the device: (dest int64 [m], padded
-    end offsets int32 [E], cap). The last group takes the rest (at least 16 rows more than
-    it has)."""
-    # (narrow and index_select rather than indexing: fake CUDA tensors trace them on CPU)
-    e = offs.shape[0]
-    cap = (m + 15) // 16 * 16 + 16 * e
-    ends = offs.to(torch.int64)
-    zero = ends.new_zeros(1)
-    starts = torch.cat([zero, ends.narrow(0, 0, e - 1)])
-    padded = ((ends - starts + 15) // 16 * 16).clamp(min=16)
-    pad_ends = torch.cat([padded.narrow(0, 0, e - 1).cumsum(0), ends.new_full((1,), cap)])
-    pad_starts = torch.cat([zero, pad_ends.narrow(0, 0, e - 1)])
-    rows = torch.arange(m, device=offs.device)
-    group = torch.searchsorted(ends, rows, right=True).clamp(max=e - 1)
-    shift = (pad_starts - starts).index_select(0, group)
-    dest = (rows + shift).clamp(0, cap - 1)  # bad offsets: wrong rows, no out-of-bounds write
-    return dest, pad_ends.to(torch.int32), cap
 
 
 # ---------------------------------------------------------------------------- GEMMs
@@ -172,17 +148,8 @@ def _scale_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _weights_per_column(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [E, K, N] -> e4m3 [E, K, N] column-major, one scale per (expert, column of N):
     reciprocals fp32 [E, N] (the forward's mat_b)."""
-    e, k, n = w.shape
-    offs_k = torch.arange(1, e + 1, dtype=torch.int32, device=w.device) * k
-    layout = "column_major" if _STRIDED_WEIGHTS else "row_major"
-    data, scales = per_group_colwise_scales(
-        w.reshape(e * k, n), offs_k, backend=_BACKEND, validate=False, data_layout=layout
-    )
-    if _STRIDED_WEIGHTS:  # (E*K, N) column-major viewed as (E, K, N), strides (K, 1, E*K)
-        return data.reshape(e, k, n), scales.reciprocal()
-    # column-major copy; a column-major output from the per-group kernel would save it
-    b = _contiguous(data.reshape(e, k, n).transpose(1, 2)).transpose(1, 2)
-    return b, scales.reciprocal()
+    data, scales = expert_column_scales(w)
+    return data, scales.reciprocal()
 
 
 def _weights_per_row(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -193,33 +160,12 @@ def _weights_per_row(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return data.view(e, k, n).transpose(1, 2), inv.view(e, k)
 
 
-def _rows_gmm(a, b, scale_a, scale_b, offs) -> torch.Tensor:
-    """The 2-D x 3-D FP8 GEMM of rows a [M, K] grouped by offs: directly, or with _PAD_ROWS
-    through a copy of a (and scale_a) whose groups start on multiples of 16."""
-    if not _PAD_ROWS:
-        return _scaled_gmm(a, b, scale_a, scale_b, offs)
-    dest, pad_offs, cap = _padded_groups(offs, a.shape[0])
-    rows = torch.zeros((cap, a.shape[1]), dtype=torch.uint8, device=a.device)
-    rows = rows.index_copy(0, dest, a.view(torch.uint8)).view(_FP8)
-    scales = torch.ones(cap, dtype=scale_a.dtype, device=a.device).index_copy(0, dest, scale_a)
-    return _scaled_gmm(rows, b, scales, scale_b, pad_offs).index_select(0, dest)
-
-
-def _scatter_tokens(t: torch.Tensor, dest: torch.Tensor, cap: int) -> torch.Tensor:
-    """e4m3 t [R, M] -> [R, cap] row-major, column m at dest[m], zeros elsewhere."""
-    out = torch.zeros((t.shape[0], cap), dtype=torch.uint8, device=t.device)
-    return out.index_copy(1, dest, t.view(torch.uint8)).view(_FP8)
-
-
 def _fp8_grad_w(x: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """grad_w [E, K, N] bf16: x^T (K, M) and grad^T (N, M) scaled per (group, row) along the
-    tokens, re-laid into 16-aligned non-empty groups, then one 2-D x 2-D FP8 GEMM."""
-    xt, sx = per_group_rowwise_scales(x.t(), offs, backend=_BACKEND, validate=False)
-    gt, sg = per_group_rowwise_scales(grad.t(), offs, backend=_BACKEND, validate=False)
-    dest, pad_offs, cap = _padded_groups(offs, x.shape[0])
-    a = _scatter_tokens(xt, dest, cap)  # (K, cap) row-major
-    b = _scatter_tokens(gt, dest, cap).t()  # (cap, N) column-major
-    return _scaled_gmm(a, b, sx.reciprocal().reshape(-1), sg.reciprocal().reshape(-1), pad_offs)
+    tokens, written with 16-aligned non-empty token groups, then one 2-D x 2-D FP8 GEMM."""
+    a, sx, pad_offs = padded_token_scales(x, offs)  # (K, cap) row-major
+    b, sg, _ = padded_token_scales(grad, offs)  # (N, cap) row-major: b.t() column-major
+    return _scaled_gmm(a, b.t(), sx.reciprocal().reshape(-1), sg.reciprocal().reshape(-1), pad_offs)
 
 
 class _Fp8RowwiseGroupedMM(torch.autograd.Function):
@@ -232,7 +178,7 @@ class _Fp8RowwiseGroupedMM(torch.autograd.Function):
             return x.new_empty((0, w.shape[2]))
         xq, xs = _scale_rows(x)
         wq, ws = _weights_per_column(w)
-        return _rows_gmm(xq, wq, xs, ws, offs).to(x.dtype)
+        return _scaled_gmm(xq, wq, xs, ws, offs).to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
@@ -244,7 +190,7 @@ class _Fp8RowwiseGroupedMM(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             gq, gs = _scale_rows(grad)
             wq, ws = _weights_per_row(w)
-            gx = _rows_gmm(gq, wq, gs, ws, offs).to(x.dtype)
+            gx = _scaled_gmm(gq, wq, gs, ws, offs).to(x.dtype)
         if ctx.needs_input_grad[1]:
             gw = _fp8_grad_w(x, grad, offs).to(w.dtype)
         return gx, gw, None

@@ -150,8 +150,9 @@ def _cast_kernel(
     g_end = tl.sum((valid & (p < last)).to(tl.int32), axis=0)
     for g in range(g_first, g_end):
         pg = _pick(gi, p, g)
-        src = _pick(gi, starts, g) - pg  # source index = destination index + src
-        rows = _pick(gi, ends, g) - pg  # destination indices [pg, pg + rows) hold rows
+        sg = _pick(gi, starts, g)
+        src = sg - pg  # source index = destination index + src
+        rows = _pick(gi, ends, g) - sg  # destination indices [pg, pg + rows) hold rows
         row = tl.cast(g, tl.int64) * n_other if INT64 else g * n_other
         amax = tl.load(ws_ptr + row + o, mask=omask, other=0, cache_modifier=".cg")
         scale = _scales(amax, ROUND_POW2)

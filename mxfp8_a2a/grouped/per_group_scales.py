@@ -133,6 +133,62 @@ def _(x, offs, pow2, group_dim, column_major):
     return x.new_empty(x.shape, dtype=torch.float8_e4m3fn), scales
 
 
+# ---------------------------------------------------------------------------- grouped GEMMs
+# Two operand layouts of torch._scaled_grouped_mm that no (M, K)-shaped output gives, written
+# by the colwise kernels directly (mxfp8_a2a/grouped/grouped_mm.py uses them).
+
+
+def padded_length(m: int, n_groups: int) -> int:
+    """The token axis of padded_token_scales' data: room for every group to start on a
+    multiple of 16 and hold at least 16 tokens."""
+    return (m + 15) // 16 * 16 + 16 * n_groups
+
+
+@torch.library.custom_op("mxfp8_a2a::padded_token_scales", mutates_args=())
+def padded_token_scales(
+    x: torch.Tensor, offs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] (any strides), groups of rows (tokens) ending at offs int32 [G] -> data
+    e4m3 [K, cap] row-major, x.t() scaled per (group, row of x.t()), each group's tokens
+    from a multiple of 16 on, at least 16 wide, zeros between; scales fp32 [G, K] (as
+    per_group_rowwise_scales(x.t(), offs)); the padded end offsets int32 [G] (the last one
+    cap). cap = padded_length(M, G). The grad_w operands of a 2-D x 2-D FP8 grouped GEMM."""
+    m, k = x.shape
+    cap = padded_length(m, offs.numel())
+    data = torch.empty((k, cap), dtype=torch.uint8, device=x.device)
+    pad = torch.empty(offs.numel(), dtype=torch.int32, device=x.device)
+    scales = _colwise(x.unsqueeze(0), offs.contiguous(), False, data.t().unsqueeze(0), pad)
+    return data.view(torch.float8_e4m3fn), scales[0], pad
+
+
+@padded_token_scales.register_fake
+def _(x, offs):
+    cap = padded_length(x.shape[0], offs.shape[0])
+    data = x.new_empty((x.shape[1], cap), dtype=torch.float8_e4m3fn)
+    scales = x.new_empty((offs.shape[0], x.shape[1]), dtype=torch.float32)
+    return data, scales, offs.new_empty(offs.shape)
+
+
+@torch.library.custom_op("mxfp8_a2a::expert_column_scales", mutates_args=())
+def expert_column_scales(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [E, K, N] (any strides) -> data e4m3 [E, K, N], each expert column-major (strides
+    (N*K, 1, K)), scaled per (expert, column); scales fp32 [E, N] (as
+    per_group_colwise_scales(w.reshape(E*K, N), offsets of K each)). The forward's weights
+    of an FP8 grouped GEMM."""
+    e, k, n = w.shape
+    data = torch.empty((e, n, k), dtype=torch.uint8, device=w.device).transpose(1, 2)
+    offs = torch.full((1,), k, dtype=torch.int32, device=w.device)
+    scales = _colwise(w, offs, False, data, None)
+    return data.view(torch.float8_e4m3fn), scales.view(e, n)
+
+
+@expert_column_scales.register_fake
+def _(w):
+    e, k, n = w.shape
+    data = w.new_empty((e, n, k), dtype=torch.float8_e4m3fn).transpose(1, 2)
+    return data, w.new_empty((e, n), dtype=torch.float32)
+
+
 def _contiguous_along(t: torch.Tensor, dim: int) -> bool:
     return t.stride(dim) == 1 or t.shape[dim] <= 1
 

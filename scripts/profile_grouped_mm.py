@@ -1,0 +1,123 @@
+"""Where the time of the experts' grouped GEMMs goes, piece by piece, on one GPU.
+
+    python scripts/profile_grouped_mm.py [--shape TOKENSxHIDDENxTOPKxEXPERTSxFFN]... [--json F]
+
+The MoE layer's experts (bench_moe_layer.py's shapes): x [tokens * top_k, hidden] rows in
+random uneven expert groups, h = gelu(grouped_mm(x, w1)), y = grouped_mm(h, w2), forward and
+backward. Times (triton.testing.do_bench, median) of the whole for bf16 and fp8_rowwise, and
+of each piece of the fp8_rowwise path on its own: the casts (operand, layout) and each GEMM
+(FP8 and bf16), with effective GB/s of the casts (bytes read + written
+once). A torch.profiler table of one fp8_rowwise step follows (--profile).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+
+import torch
+import torch.nn.functional as F
+import triton
+from tabulate import tabulate
+
+from mxfp8_a2a import grouped_mm
+
+gm = importlib.import_module("mxfp8_a2a.grouped.grouped_mm")
+
+SHAPES = ["4096x7168x8x32x2048", "8192x2048x8x16x768"]
+
+
+def bench(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median") * 1e3
+
+
+def uneven_offsets(m: int, e: int, g: torch.Generator) -> torch.Tensor:
+    weights = torch.rand(e, generator=g) + 0.5
+    counts = (weights / weights.sum() * m).floor().to(torch.int64)
+    counts[-1] += m - counts.sum()
+    return counts.cumsum(0).to(torch.int32).cuda()
+
+
+def _bench_pieces(a, w, g, offs) -> list[tuple[str, object, int]]:
+    """(piece, function, elements cast) of one GEMM's operands and products: a [M, K] rows
+    grouped by offs, w [E, K, N], g [M, N] the gradient of the output."""
+    aq, asc = gm._scale_rows(a)
+    wq, ws = gm._weights_per_column(w)
+    gq, gs = gm._scale_rows(g)
+    wr, wrs = gm._weights_per_row(w)
+    return [
+        (f"fwd: scale rows of a {list(a.shape)}", lambda: gm._scale_rows(a), a.numel()),
+        (f"fwd: w per column {list(w.shape)}", lambda: gm._weights_per_column(w), w.numel()),
+        ("fwd: FP8 GEMM", lambda: gm._scaled_gmm(aq, wq, asc, ws, offs), 0),
+        (f"bwd: scale rows of grad {list(g.shape)}", lambda: gm._scale_rows(g), g.numel()),
+        ("bwd: w per row", lambda: gm._weights_per_row(w), w.numel()),
+        ("bwd: grad_x FP8 GEMM", lambda: gm._scaled_gmm(gq, wr, gs, wrs, offs), 0),
+        ("bwd: grad_w a padded per group", lambda: gm.padded_token_scales(a, offs), a.numel()),
+        ("bwd: grad_w grad padded per group", lambda: gm.padded_token_scales(g, offs), g.numel()),
+        ("bwd: grad_w whole (casts + FP8 GEMM)", lambda: gm._fp8_grad_w(a, g, offs), 0),
+        ("fwd: bf16 GEMM", lambda: torch._grouped_mm(a, w, offs=offs), 0),
+        ("bwd: bf16 grad_w GEMM", lambda: torch._grouped_mm(a.t(), g, offs=offs), 0),
+    ]
+
+
+def pieces(x, w1, w2, offs) -> list[tuple[str, float, int]]:
+    """(piece, us, bytes moved once) of one fp8_rowwise forward + backward of the two GEMMs."""
+    h = F.gelu(grouped_mm(x, w1, offs))
+    gh = torch.randn_like(h)
+    go = torch.randn(x.shape[0], w2.shape[2], dtype=x.dtype, device=x.device)
+    out = []
+    for tag, a, w, g in (("w1", x, w1, gh), ("w2", h, w2, go)):
+        for name, fn, elems in _bench_pieces(a, w, g, offs):
+            out.append((f"{tag} {name}", bench(fn), 3 * elems))
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--shape", action="append")
+    p.add_argument("--json")
+    p.add_argument("--profile", action="store_true")
+    args = p.parse_args()
+    results = []
+    for text in args.shape or SHAPES:
+        tokens, hidden, top_k, experts, ffn = (int(v) for v in text.split("x"))
+        m = tokens * top_k
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(m, hidden, generator=g).to(torch.bfloat16).cuda().requires_grad_()
+        w1 = (torch.randn(experts, hidden, ffn, generator=g) * hidden**-0.5).to(torch.bfloat16)
+        w2 = (torch.randn(experts, ffn, hidden, generator=g) * ffn**-0.5).to(torch.bfloat16)
+        w1, w2 = w1.cuda().requires_grad_(), w2.cuda().requires_grad_()
+        offs = uneven_offsets(m, experts, g)
+        go = torch.randn(m, hidden, generator=g).to(torch.bfloat16).cuda()
+
+        def step(precision, x=x, w1=w1, w2=w2, offs=offs, go=go):
+            h = F.gelu(grouped_mm(x, w1, offs, precision=precision))
+            torch.autograd.backward(grouped_mm(h, w2, offs, precision=precision), go)
+
+        whole = {p: bench(lambda p=p: step(p)) for p in ("bf16", "fp8_rowwise")}
+        ratio = whole["bf16"] / whole["fp8_rowwise"]
+        print(
+            f"{text}: experts fwd+bwd bf16 {whole['bf16']:.0f} us, "
+            f"fp8_rowwise {whole['fp8_rowwise']:.0f} us ({ratio:.2f}x)"
+        )
+        with torch.no_grad():
+            rows = pieces(x.detach(), w1.detach(), w2.detach(), offs)
+        table = [[n, us, b / us / 1e3 if b else None] for n, us, b in rows]
+        print(tabulate(table, headers=["piece", "us", "GB/s"], floatfmt=".1f"), flush=True)
+        results.append({"shape": text, "whole_us": whole, "pieces": table})
+        if args.profile:
+            for _ in range(3):
+                step("fp8_rowwise")
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                step("fp8_rowwise")
+                torch.cuda.synchronize()
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
