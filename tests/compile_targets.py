@@ -67,7 +67,7 @@ def per_group_builds(cap):
     names = ["x_ptr", "offs_ptr", "ws_ptr", "n_other", "extent", "n_groups", "sxb", "sxo", "sxg"]
     sig = dict.fromkeys(names + ["n_strips"], I32)
     sig.update(x_ptr="*bf16", offs_ptr="*i32", ws_ptr="*i32")
-    consts = {"sxo": 1, "BL": col.amax_rows, **common}
+    consts = {"sxo": 1, "BL": col.amax_rows, "ALIGN": 1, **common}
     aligned = ["x_ptr", "offs_ptr", "ws_ptr", "n_other", "extent", "sxb", "sxg"]
     ptx = build(_amax_kernel, sig, consts, cap, aligned, col.num_warps)
     yield "per_group_colwise_amax", "bf16", ptx
@@ -77,7 +77,8 @@ def per_group_builds(cap):
     sig.update(x_ptr="*bf16", offs_ptr="*i32", ws_ptr="*i32", scale_ptr="*fp32")
     sig.update(data_ptr="*u8", pad_ptr="*i32")
     # the grad_w operand: row-major x, transposed padded data
-    consts = {"sxo": 1, "sdg": 1, "ROUND_POW2": True, "PAD": True, "BL": col.cast_rows, **common}
+    consts = {"sxo": 1, "sdg": 1, "ROUND_POW2": True, "PAD": True, "BL": col.cast_rows}
+    consts |= {"ALIGN": 16, **common}
     aligned = names[:7] + ["dest_extent", "sxb", "sxg", "sdb", "sdo"]
     ptx = build(_cast_kernel, sig, consts, cap, aligned, col.num_warps)
     yield "per_group_colwise_cast", "bf16", ptx

@@ -107,13 +107,14 @@ def _colwise(
     if extent:
         _amax_kernel[(triton.cdiv(extent, c.amax_rows) * n_strips, batch)](
             x, offs, ws, n_other, extent, g, x.stride(0), x.stride(2), x.stride(1), n_strips,
-            BL=c.amax_rows, **common,
+            BL=c.amax_rows, ALIGN=16 if x.stride(1) == 1 else 1, **common,
         )  # fmt: skip
     n_chunks = triton.cdiv(dest_extent, c.cast_rows)
     _cast_kernel[(n_chunks * n_strips, batch)](
         x, offs, ws, scales, data, ws if pad is None else pad, n_other, extent, g, dest_extent,
         x.stride(0), x.stride(2), x.stride(1), data.stride(0), data.stride(2), data.stride(1),
-        n_strips, n_chunks, ROUND_POW2=pow2, PAD=pad is not None, BL=c.cast_rows, **common,
+        n_strips, n_chunks, ROUND_POW2=pow2, PAD=pad is not None, BL=c.cast_rows,
+        ALIGN=16 if data.stride(1) == 1 else 1, **common,
     )  # fmt: skip
     return scales
 
