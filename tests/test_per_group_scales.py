@@ -8,7 +8,12 @@ from helpers import KERNEL_DEVICES, bits, fresh_generator
 
 from mxfp8_a2a import per_group_colwise_scales, per_group_rowwise_scales
 from mxfp8_a2a.grouped import per_group_scales
-from mxfp8_a2a.grouped.reference import per_group_colwise_reference, per_group_rowwise_reference
+from mxfp8_a2a.grouped.reference import (
+    expert_column_reference,
+    padded_token_reference,
+    per_group_colwise_reference,
+    per_group_rowwise_reference,
+)
 
 LAYOUTS = ("row_major", "column_major")
 
@@ -206,6 +211,8 @@ def test_padded_token_scales(device, kind):
         assert p % 16 == 0 and r - p >= max(16, e - s), (p, r, s, e)
         want[:, p : p + e - s] = bits(want_data[:, s:e]).cpu()
     assert torch.equal(bits(data).cpu(), want)
+    ref = padded_token_reference(x, offs)  # the plain-torch version (CPU without Triton)
+    assert torch.equal(bits(ref[0]), bits(data)) and torch.equal(ref[2], pad)
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
@@ -220,6 +227,8 @@ def test_expert_column_scales(device):
     assert data.shape == (e, k, n) and data.stride() == (n * k, 1, k)
     torch.testing.assert_close(scales, want_scales, rtol=0, atol=0, equal_nan=True)
     assert torch.equal(bits(data.reshape(e * k, n)), bits(want_data))
+    ref = expert_column_reference(w.view(e, k, n))
+    assert ref[0].stride() == data.stride() and torch.equal(bits(ref[0]), bits(data))
 
 
 def test_row_block_size():

@@ -17,12 +17,15 @@ import torch
 import triton
 
 from .. import _config
-from .._common import resolve_backend
+from .._common import interpreted, resolve_backend
 from .kernels import _row_block_kernel
 from .kernels_colwise import _amax_kernel, _cast_kernel
 from .reference import (
     DATA_LAYOUTS,
     empty_data,
+    expert_column_reference,
+    padded_length,
+    padded_token_reference,
     per_group_colwise_reference,
     per_group_rowwise_reference,
     scales_from_amax,
@@ -139,10 +142,9 @@ def _(x, offs, pow2, group_dim, column_major):
 # by the colwise kernels directly (mxfp8_a2a/grouped/grouped_mm.py uses them).
 
 
-def padded_length(m: int, n_groups: int) -> int:
-    """The token axis of padded_token_scales' data: room for every group to start on a
-    multiple of 16 and hold at least 16 tokens."""
-    return (m + 15) // 16 * 16 + 16 * n_groups
+def _kernels_run_on(device: torch.device) -> bool:
+    """CUDA, or CPU under the Triton interpreter (else the plain-torch reference runs)."""
+    return device.type == "cuda" or interpreted(_cast_kernel)
 
 
 @torch.library.custom_op("mxfp8_a2a::padded_token_scales", mutates_args=())
@@ -154,6 +156,8 @@ def padded_token_scales(
     from a multiple of 16 on, at least 16 wide, zeros between; scales fp32 [G, K] (as
     per_group_rowwise_scales(x.t(), offs)); the padded end offsets int32 [G] (the last one
     cap). cap = padded_length(M, G). The grad_w operands of a 2-D x 2-D FP8 grouped GEMM."""
+    if not _kernels_run_on(x.device):
+        return padded_token_reference(x, offs)
     m, k = x.shape
     cap = padded_length(m, offs.numel())
     data = torch.empty((k, cap), dtype=torch.uint8, device=x.device)
@@ -176,6 +180,8 @@ def expert_column_scales(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     (N*K, 1, K)), scaled per (expert, column); scales fp32 [E, N] (as
     per_group_colwise_scales(w.reshape(E*K, N), offsets of K each)). The forward's weights
     of an FP8 grouped GEMM."""
+    if not _kernels_run_on(w.device):
+        return expert_column_reference(w)
     e, k, n = w.shape
     data = torch.empty((e, n, k), dtype=torch.uint8, device=w.device).transpose(1, 2)
     offs = torch.full((1,), k, dtype=torch.int32, device=w.device)

@@ -89,3 +89,42 @@ def per_group_rowwise_reference(
         raise ValueError(f"data_layout must be one of {DATA_LAYOUTS}, got {data_layout!r}")
     data, scales = per_group_colwise_reference(x.t(), offs, round_scales_to_power_of_2, swapped)
     return data.t(), scales
+
+
+def padded_length(m: int, n_groups: int) -> int:
+    """The token axis of padded_token_reference's data: room for every group to start on a
+    multiple of 16 and hold at least 16 tokens."""
+    return (m + 15) // 16 * 16 + 16 * n_groups
+
+
+def padded_token_reference(
+    x: torch.Tensor, offs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (M, K), groups of rows -> (e4m3 (K, cap) row-major: per_group_rowwise_reference of
+    x.t() with each group's tokens moved to start on a multiple of 16, max(16, round_up(size,
+    16)) wide, zeros between; its scales fp32 (G, K); the padded end offsets int32 [G], the
+    last one cap = padded_length(M, G))."""
+    m, k = x.shape
+    cap = padded_length(m, offs.numel())
+    data, scales = per_group_rowwise_reference(x.t(), offs)
+    out = torch.zeros((k, cap), dtype=torch.uint8, device=x.device)
+    ends, p = [], 0
+    for lo, hi in group_bounds(offs, m):
+        out[:, p : p + hi - lo] = data[:, lo:hi].view(torch.uint8)
+        p += max(16, (hi - lo + 15) // 16 * 16)
+        ends.append(p)
+    if ends:
+        ends[-1] = cap
+    pad = torch.tensor(ends, dtype=torch.int32, device=x.device)
+    return out.view(torch.float8_e4m3fn), scales, pad
+
+
+def expert_column_reference(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w (E, K, N) -> (e4m3 (E, K, N), each expert column-major, strides (N*K, 1, K); scales
+    fp32 (E, N)): per_group_colwise_reference of w.reshape(E*K, N) with groups of K rows."""
+    e, k, n = w.shape
+    offs = torch.arange(1, e + 1, dtype=torch.int32) * k
+    data, scales = per_group_colwise_reference(w.reshape(e * k, n), offs)
+    out = torch.empty((e, n, k), dtype=torch.uint8, device=w.device).transpose(1, 2)
+    out.copy_(data.view(torch.uint8).view(e, k, n))
+    return out.view(torch.float8_e4m3fn), scales
