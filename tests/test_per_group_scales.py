@@ -216,6 +216,23 @@ def test_padded_token_scales(device, kind):
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("int64", [False, True])
+def test_padded_token_scales_defined_for_bad_offsets(device, int64, monkeypatch):
+    """Offsets past M, decreasing, negative or all zero (validate=False callers): the kernel
+    gives the plain-torch reference's defined result; also on the 64-bit offset path."""
+    if int64:
+        monkeypatch.setattr(per_group_scales, "INT64_FROM", 0)
+    g = fresh_generator()
+    x = _data((37, 16), torch.bfloat16, device, g)
+    for ends in ([40, 3, 50], [0, 0, 0], [2, -1, 37], [37]):
+        offs = torch.tensor(ends, dtype=torch.int32, device=device)
+        data, scales, pad = per_group_scales.padded_token_scales(x, offs)
+        want = padded_token_reference(x, offs)
+        assert torch.equal(bits(data), bits(want[0])) and torch.equal(pad, want[2]), ends
+        torch.testing.assert_close(scales, want[1], rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_expert_column_scales(device):
     """The forward's weights: per (expert, column) over K, each expert column-major."""
     g = fresh_generator()
