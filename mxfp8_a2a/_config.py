@@ -62,11 +62,14 @@ COPY_ENGINE_MAX_RANGES = 2
 # x with row- or column-major data, the grad_w operands of a grouped GEMM, the forward's
 # weights): an amax launch over tiles of ``block_other`` x ``amax_rows`` and a cast launch over
 # tiles of ``block_other`` x ``cast_rows`` of the destination, both ``sub`` rows at a time.
-# Values: the design's starting point (16 KB amax tiles, 8 KB cast tiles, 4 warps); not yet
-# swept, scripts/tune_per_group.py --kind colwise does.
+# Values: the design's starting point (16 KB amax tiles, 8 KB cast tiles, 4 warps), not swept
+# yet (scripts/tune_per_group.py --kind colwise). With them, (16640, 8192) bf16 at 1/16/64
+# groups on an H200 (2026-12-01, BENCHMARKS.md): 297/309/357 us with column-major data, 280/
+# 289/325 us row-major, 1.15-1.46 TB/s effective.
 # Replaced: the chunk kernel (one launch, each tile read twice by programs a lag of tickets
-# apart, the second read meant to hit L2): 223-300 us at 1-64 groups for colwise (16640,
-# 8192) on an H200 at its best tiling of nine (2026-12-01), 1.4-1.8 TB/s effective.
+# apart, the second read meant to hit L2): 223-300 us in the same layouts at its best tiling
+# of nine, 1.4-1.8 TB/s, faster on its own but unable to write the padded and per-expert
+# layouts the grouped GEMMs need (their copies cost more than the difference).
 
 
 class RowBlockTiling(NamedTuple):

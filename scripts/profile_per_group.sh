@@ -5,8 +5,8 @@
 #   scripts/profile_per_group.sh OUTDIR [N_GROUPS] [rowwise|colwise|colwise_rowmajor]
 #
 # x (16640, 8192) bf16 with N_GROUPS (default 1) jagged groups, as in the benchmark: rowwise
-# (row-block kernel, groups along the 8192 columns), colwise (chunk kernel, the grad_w layout:
-# column-major data), colwise_rowmajor (chunk kernel, row-major data).
+# (row-block kernel, groups along the 8192 columns), colwise (colwise kernels, the grad_w layout:
+# column-major data), colwise_rowmajor (colwise kernels, row-major data).
 # Writes OUTDIR/ncu_<layout>_<groups>.txt (the details page); prints its headline lines.
 set -uo pipefail
 out=${1:?usage: scripts/profile_per_group.sh OUTDIR [N_GROUPS] [rowwise|colwise|colwise_rowmajor]}
