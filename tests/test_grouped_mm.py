@@ -180,7 +180,8 @@ def test_bf16_loop_and_reference_match_exact_products(dtype, kind):
 
 def _representable(x_shape, offs, g, amax_rows=True):
     """e4m3-representable values whose every row, and every (group, column), holds +-448, so
-    that each rowwise and per-group scale is exactly 1 and the FP8 casts lose nothing."""
+    that each rowwise and per-group scale is exactly 1 and the FP8 casts lose nothing
+    (_representable_inputs then scales each group by its own power of two)."""
     m, k = x_shape
     x = (torch.randn(m, k, generator=g) * 64).clamp(-447, 447).to(torch.float8_e4m3fn).float()
     sign = torch.where(torch.rand(m, k, generator=g) < 0.5, -448.0, 448.0)
@@ -196,15 +197,26 @@ def _representable(x_shape, offs, g, amax_rows=True):
     return x
 
 
+def _group_powers(t, offs, g):
+    """t with each group's rows times its own power of two (2^-8 .. 2^8)."""
+    for lo, hi in zip([0] + offs.tolist()[:-1], offs.tolist(), strict=True):
+        t[lo:hi] *= 2.0 ** torch.randint(-8, 9, (), generator=g).item()
+    return t
+
+
 def _representable_inputs(m, k, n, e, kind, dtype, g):
+    """Inputs on which every FP8 cast is exact, with per-group (x, grad) and per-expert (w)
+    powers of two, so that every scale differs from 1 and from its neighbours' (a scale
+    applied to the wrong rows, groups or experts, or the wrong way round, shows)."""
     offs = _offsets(m, e, kind, g)
-    x = _representable((m, k), offs, g)
-    grad = _representable((m, n), offs, g)
+    x = _group_powers(_representable((m, k), offs, g), offs, g)
+    grad = _group_powers(_representable((m, n), offs, g), offs, g)
     w = torch.stack([_representable((k, n), None, g) for _ in range(e)])
     rows = torch.arange(k)
     cols = torch.arange(n)
     w[:, cols % k, cols] = 448.0  # every (expert, column) and (expert, row) holds 448
     w[:, rows, rows % n] = -448.0
+    w *= torch.exp2(torch.randint(-8, 9, (e, 1, 1), generator=g).float())
     return x.to(dtype), w.to(dtype), offs, grad.to(dtype)
 
 
