@@ -62,7 +62,7 @@ COPY_ENGINE_MAX_RANGES = 2
 # x with row- or column-major data, the grad_w operands of a grouped GEMM, the forward's
 # weights): an amax launch over tiles of ``block_other`` x ``amax_rows`` and a cast launch over
 # tiles of ``block_other`` x ``cast_rows`` of the destination, both ``sub`` rows at a time.
-# Values: the design's starting point (16 KB amax tiles, 8 KB cast tiles, 4 warps), not swept
+# Values: the design's starting point (32 KB bf16 amax tiles, 16 KB cast tiles, 4 warps), not swept
 # yet (scripts/tune_per_group.py --kind colwise). With them, (16640, 8192) bf16 at 1/16/64
 # groups on an H200 (2026-12-01, BENCHMARKS.md): 297/309/357 us with column-major data, 280/
 # 289/325 us row-major, 1.15-1.46 TB/s effective.

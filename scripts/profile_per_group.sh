@@ -40,8 +40,11 @@ torch.cuda.synchronize()
 PY
 )
 report="$out/ncu_${layout}_${groups}"
-# Profile the third launch: the first compiles the kernel, the second warms the caches.
-"$ncu_bin" --kernel-name regex:"_row_block_kernel|_chunk_kernel" --launch-skip 2 --launch-count 1 \
+# Profile the third call: the first compiles the kernels, the second warms the caches (the
+# colwise layouts launch two kernels per call, an amax and a cast: both of the third call).
+n=1; skip=2
+[[ $layout == colwise* ]] && n=2 && skip=4
+"$ncu_bin" --kernel-name regex:"_row_block_kernel|_amax_kernel|_cast_kernel" --launch-skip $skip --launch-count $n \
   --set full --clock-control none -f -o "$report" python3 -c "$prog" > "$report.log" 2>&1 || tail -20 "$report.log"
 "$ncu_bin" --import "$report.ncu-rep" --page details > "$report.txt" 2>&1
 grep -E "Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Issue Slots Busy|Registers Per Thread|Achieved Occupancy|Theoretical Occupancy|Executed Ipc Active|Executed Instructions |L1/TEX Hit|L2 Hit|Warp Cycles Per Issued|Block Limit Registers" "$report.txt" | head -24

@@ -95,7 +95,8 @@ def _views(base: torch.Tensor, wide: torch.Tensor) -> dict[str, torch.Tensor]:
 def test_every_layout_and_method(device, layout, kind):
     """Inputs contiguous, transposed and strided, data row- or column-major, both kernels
     (methods "direct" and "transpose"), both functions: the reference's bits, the requested
-    data layout. 104 x 48: not a multiple of the interpreter's 64-row chunks."""
+    data layout. 104 x 48: not a multiple of the interpreter's colwise tiles (32 rows
+    in the amax pass, 16 in the cast) or its 16-column strips."""
     g = fresh_generator()
     base = _data((104, 48), torch.bfloat16, device, g)
     wide = torch.zeros(104, 96, dtype=torch.bfloat16, device=device)
@@ -230,6 +231,18 @@ def test_padded_token_scales_defined_for_bad_offsets(device, int64, monkeypatch)
         want = padded_token_reference(x, offs)
         assert torch.equal(bits(data), bits(want[0])) and torch.equal(pad, want[2]), ends
         torch.testing.assert_close(scales, want[1], rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_padded_token_scales_without_columns_or_groups(device):
+    """K = 0 still gives the padded offsets; no groups give all-zero data."""
+    x = torch.randn(37, 0, dtype=torch.bfloat16, device=device)
+    offs = torch.tensor([5, 37], dtype=torch.int32, device=device)
+    data, scales, pad = per_group_scales.padded_token_scales(x, offs)
+    assert data.shape == (0, 80) and scales.shape == (2, 0) and pad.tolist() == [16, 80]
+    x = torch.randn(37, 16, dtype=torch.bfloat16, device=device)
+    data, scales, pad = per_group_scales.padded_token_scales(x, offs[:0])
+    assert data.shape == (16, 48) and not bits(data).any() and pad.numel() == scales.numel() == 0
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)

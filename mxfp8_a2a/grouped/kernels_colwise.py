@@ -84,6 +84,14 @@ def _batch(ptr, b, stride, INT64: tl.constexpr):
 
 
 @triton.jit
+def _batch_table(ptr, b, n_groups, n_other, INT64: tl.constexpr):
+    """Batch b's [n_groups, n_other] table (the workspace, the scales)."""
+    if INT64:
+        return ptr + tl.cast(b, tl.int64) * n_groups * n_other
+    return ptr + b * n_groups * n_other
+
+
+@triton.jit
 def _amax_span(
     x_ptr, o, omask, i0, i1, sxo, sxg,
     SOFT: tl.constexpr, INT64: tl.constexpr, BO: tl.constexpr, SUB: tl.constexpr,
@@ -132,7 +140,7 @@ def _amax_kernel(
     t = tl.program_id(0)
     b = tl.program_id(1)
     x_ptr = _batch(x_ptr, b, sxb, INT64)
-    ws_ptr = _batch(ws_ptr, b, n_groups * n_other, INT64)
+    ws_ptr = _batch_table(ws_ptr, b, n_groups, n_other, INT64)
     gi, valid, starts, ends = group_bounds(offs_ptr, n_groups, extent, BG)
     o = t % n_strips * BO + tl.arange(0, BO)
     omask = o < n_other
@@ -169,8 +177,8 @@ def _cast_kernel(
     b = tl.program_id(1)
     x_ptr = _batch(x_ptr, b, sxb, INT64)
     data_ptr = _batch(data_ptr, b, sdb, INT64)
-    ws_ptr = _batch(ws_ptr, b, n_groups * n_other, INT64)
-    scale_ptr = _batch(scale_ptr, b, n_groups * n_other, INT64)
+    ws_ptr = _batch_table(ws_ptr, b, n_groups, n_other, INT64)
+    scale_ptr = _batch_table(scale_ptr, b, n_groups, n_other, INT64)
     gi, valid, starts, ends = group_bounds(offs_ptr, n_groups, extent, BG)
     p, r = _destinations(gi, valid, starts, ends, n_groups, dest_extent, PAD)
     if PAD:

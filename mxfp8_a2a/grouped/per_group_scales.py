@@ -101,13 +101,17 @@ def _colwise(
     dest_extent, g = data.shape[1], offs.numel()
     scales = torch.empty((batch, g, n_other), dtype=torch.float32, device=x.device)
     ws = torch.zeros((batch, g, n_other), dtype=torch.int32, device=x.device)
-    if min(batch, n_other, dest_extent) == 0:
+    # (with ``pad`` the cast kernel runs even without columns: it writes the padded offsets)
+    if min(batch, dest_extent) == 0 or (n_other == 0 and pad is None):
         return scales.fill_(scales_from_amax(torch.zeros(()), pow2).item())
+    if g == 0:  # no group: nothing for the kernels to write, all data 0
+        data.zero_()
+        return scales
     int64 = max(_extent(x), _extent(data), ws.numel()) >= INT64_FROM
-    n_strips = triton.cdiv(n_other, c.block_other)
+    n_strips = max(1, triton.cdiv(n_other, c.block_other))
     common = dict(SOFT=soft, INT64=int64, BO=c.block_other, SUB=c.sub,
                   BG=max(2, triton.next_power_of_2(g)), num_warps=c.num_warps)  # fmt: skip
-    if extent:
+    if extent and n_other:
         _amax_kernel[(triton.cdiv(extent, c.amax_rows) * n_strips, batch)](
             x, offs, ws, n_other, extent, g, x.stride(0), x.stride(2), x.stride(1), n_strips,
             BL=c.amax_rows, ALIGN=16 if x.stride(1) == 1 else 1, **common,
@@ -171,7 +175,7 @@ def _(x, offs):
     cap = padded_length(x.shape[0], offs.shape[0])
     data = x.new_empty((x.shape[1], cap), dtype=torch.float8_e4m3fn)
     scales = x.new_empty((offs.shape[0], x.shape[1]), dtype=torch.float32)
-    return data, scales, offs.new_empty(offs.shape)
+    return data, scales, offs.new_empty(offs.shape, dtype=torch.int32)
 
 
 @torch.library.custom_op("mxfp8_a2a::expert_column_scales", mutates_args=())
