@@ -62,11 +62,14 @@ def _per_group_triton(
     other_dim = 1 - group_dim
     n_other, extent = x.shape[other_dim], x.shape[group_dim]
     data = empty_data(x.shape, "column_major" if column_major else "row_major", x.device)
-    scales = torch.empty((g, n_other), dtype=torch.float32, device=x.device)
     if g == 0 or extent == 0 or n_other == 0:  # nothing to read: no groups, or no indices
         data.zero_()
-        scales.fill_(scales_from_amax(torch.zeros(()), pow2).item())
+        empty = scales_from_amax(torch.zeros(()), pow2).item()
+        return data.view(torch.float8_e4m3fn), x.new_full((g, n_other), empty, dtype=torch.float32)
+    if group_dim == 0:
+        scales = _colwise(x.unsqueeze(0), offs, pow2, data.unsqueeze(0), None)[0]
         return data.view(torch.float8_e4m3fn), scales
+    scales = torch.empty((g, n_other), dtype=torch.float32, device=x.device)
     strides = (
         x.stride(other_dim),
         x.stride(group_dim),
@@ -74,17 +77,14 @@ def _per_group_triton(
         data.stride(group_dim),
     )
     int64 = max(_extent(x), data.numel(), scales.numel()) >= INT64_FROM
-    if group_dim == 1:
-        t = _config.per_group_tiling(1, interpreted=soft)
-        block = _row_block(t, n_other, extent, g)
-        _row_block_kernel[(triton.cdiv(n_other, block) * g,)](
-            x, offs, scales, data, n_other, extent, g, *strides,
-            ROUND_POW2=pow2, SOFT=soft, INT64=int64, ALIGN=16 if x.stride(1) == 1 else 1,
-            BLOCK=block, TILE=t.tile, MIN_GROUP=t.min_group, N_CLASSES=t.n_classes,
-            num_warps=t.num_warps, **({"maxnreg": t.maxnreg} if t.maxnreg and not soft else {}),
-        )  # fmt: skip
-    else:
-        scales = _colwise(x.unsqueeze(0), offs, pow2, data.unsqueeze(0), None)[0]
+    t = _config.per_group_tiling(1, interpreted=soft)
+    block = _row_block(t, n_other, extent, g)
+    _row_block_kernel[(triton.cdiv(n_other, block) * g,)](
+        x, offs, scales, data, n_other, extent, g, *strides,
+        ROUND_POW2=pow2, SOFT=soft, INT64=int64, ALIGN=16 if x.stride(1) == 1 else 1,
+        BLOCK=block, TILE=t.tile, MIN_GROUP=t.min_group, N_CLASSES=t.n_classes,
+        num_warps=t.num_warps, **({"maxnreg": t.maxnreg} if t.maxnreg and not soft else {}),
+    )  # fmt: skip
     return data.view(torch.float8_e4m3fn), scales
 
 
@@ -100,13 +100,13 @@ def _colwise(
     batch, extent, n_other = x.shape
     dest_extent, g = data.shape[1], offs.numel()
     scales = torch.empty((batch, g, n_other), dtype=torch.float32, device=x.device)
-    ws = torch.zeros((batch, g, n_other), dtype=torch.int32, device=x.device)
     # (with ``pad`` the cast kernel runs even without columns: it writes the padded offsets)
     if min(batch, dest_extent) == 0 or (n_other == 0 and pad is None):
         return scales.fill_(scales_from_amax(torch.zeros(()), pow2).item())
     if g == 0:  # no group: nothing for the kernels to write, all data 0
         data.zero_()
         return scales
+    ws = torch.zeros((batch, g, n_other), dtype=torch.int32, device=x.device)
     int64 = max(_extent(x), _extent(data), ws.numel()) >= INT64_FROM
     n_strips = max(1, triton.cdiv(n_other, c.block_other))
     common = dict(SOFT=soft, INT64=int64, BO=c.block_other, SUB=c.sub,
