@@ -14,14 +14,17 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton
 from tabulate import tabulate
 
 from mxfp8_a2a import grouped_mm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from common import do_bench_ms, versions, warm_gpu, write_json  # noqa: E402
 
 gm = importlib.import_module("mxfp8_a2a.grouped.grouped_mm")
 
@@ -29,7 +32,7 @@ SHAPES = ["4096x7168x8x32x2048", "8192x2048x8x16x768"]
 
 
 def bench(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median") * 1e3
+    return do_bench_ms(fn, rep_ms=200) * 1e3
 
 
 def uneven_offsets(m: int, e: int, g: torch.Generator) -> torch.Tensor:
@@ -80,6 +83,8 @@ def main() -> None:
     p.add_argument("--profile", action="store_true")
     args = p.parse_args()
     results = []
+    print(versions())
+    warm_gpu()
     for text in args.shape or SHAPES:
         tokens, hidden, top_k, experts, ffn = (int(v) for v in text.split("x"))
         m = tokens * top_k
@@ -114,9 +119,7 @@ def main() -> None:
                 step("fp8_rowwise")
                 torch.cuda.synchronize()
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    write_json(args.json, {"versions": versions(), "results": results})
 
 
 if __name__ == "__main__":
