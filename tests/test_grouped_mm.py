@@ -147,9 +147,9 @@ def _(a, b, sa, sb, offs):
 
 @pytest.fixture
 def emulated(monkeypatch):
-    """The CUDA FP8 path, callable on CPU tensors: _Fp8RowwiseGroupedMM.apply."""
+    """The CUDA FP8 path, callable on CPU tensors: the op mxfp8_a2a::fp8_rowwise_grouped_mm."""
     monkeypatch.setattr(gm, "_scaled_gmm", _emulated_op)
-    return gm._Fp8RowwiseGroupedMM.apply
+    return gm._fp8_rowwise_op
 
 
 class _Ctx:
@@ -255,7 +255,7 @@ def test_fp8_cuda_path_emulated_is_exact_on_representable_data(emulated):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cuda_paths_trace_with_fake_cuda_tensors(dtype):
-    """Both CUDA Functions, forward and backward, on fake CUDA tensors: torch's meta kernels
+    """Both CUDA paths, forward and backward, on fake CUDA tensors: torch's meta kernels
     of _grouped_mm / _scaled_grouped_mm accept every operand (dtype, layout, scale shapes)."""
     m, k, n, e = 45, 32, 48, 4
     with FakeTensorMode():
@@ -263,9 +263,8 @@ def test_cuda_paths_trace_with_fake_cuda_tensors(dtype):
         w = torch.empty(e, k, n, device="cuda", dtype=dtype)
         offs = torch.empty(e, device="cuda", dtype=torch.int32)
         grad = torch.empty(m, n, device="cuda", dtype=dtype)
-        ctx = _Ctx()
-        out = gm._Fp8RowwiseGroupedMM.forward(ctx, x, w, offs)
-        gx, gw, _ = gm._Fp8RowwiseGroupedMM.backward(ctx, grad)
+        out = gm._fp8_forward(x, w, offs)
+        gx, gw = gm._fp8_grads(x, w, offs, grad, True, True)
         assert (out.shape, gx.shape, gw.shape) == ((m, n), (m, k), (e, k, n))
         assert out.dtype == gx.dtype == gw.dtype == dtype
         if dtype == torch.bfloat16:

@@ -3,7 +3,8 @@
 x [M, K] holds rows grouped by expert (group e is rows offs[e-1]:offs[e]), w [E, K, N] the
 experts' weights: out[rows of e] = x[rows of e] @ w[e]. Layers: torch's grouped GEMMs
 (torch._grouped_mm, torch._scaled_grouped_mm) and the custom op ``mxfp8_a2a::grouped_mm_loop``
-(a per-expert loop) -> autograd Functions (_GroupedMM, _Fp8RowwiseGroupedMM) -> grouped_mm.
+(a per-expert loop) -> the autograd Function _GroupedMM (bf16) and the custom op
+``mxfp8_a2a::fp8_rowwise_grouped_mm`` with its autograd -> grouped_mm.
 The plain-torch definition is grouped_mm_reference.py.
 
 Layout rules of torch's CUDA grouped GEMMs, as read in its sources (aten/src/ATen/native/
@@ -168,32 +169,55 @@ def _fp8_grad_w(x: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor) -> torc
     return _scaled_gmm(a, b.t(), sx.reciprocal().reshape(-1), sg.reciprocal().reshape(-1), pad_offs)
 
 
-class _Fp8RowwiseGroupedMM(torch.autograd.Function):
-    """FP8 e4m3 operands with fp32 rowwise scales through torch._scaled_grouped_mm."""
+def _fp8_forward(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """out [M, N] in x's dtype: x per row and w per (expert, output column) in e4m3."""
+    if x.shape[0] == 0:
+        return x.new_empty((0, w.shape[2]))
+    xq, xs = _scale_rows(x)
+    wq, ws = _weights_per_column(w)
+    return _scaled_gmm(xq, wq, xs, ws, offs).to(x.dtype)
 
-    @staticmethod
-    def forward(ctx, x, w, offs):
-        ctx.save_for_backward(x, w, offs)
-        if x.shape[0] == 0:
-            return x.new_empty((0, w.shape[2]))
-        xq, xs = _scale_rows(x)
-        wq, ws = _weights_per_column(w)
-        return _scaled_gmm(xq, wq, xs, ws, offs).to(x.dtype)
 
-    @staticmethod
-    def backward(ctx, grad):
-        x, w, offs = ctx.saved_tensors
-        if x.shape[0] == 0:
-            return torch.zeros_like(x), torch.zeros_like(w), None
-        grad = _contiguous(grad)
-        gx = gw = None
-        if ctx.needs_input_grad[0]:
-            gq, gs = _scale_rows(grad)
-            wq, ws = _weights_per_row(w)
-            gx = _scaled_gmm(gq, wq, gs, ws, offs).to(x.dtype)
-        if ctx.needs_input_grad[1]:
-            gw = _fp8_grad_w(x, grad, offs).to(w.dtype)
-        return gx, gw, None
+def _fp8_grads(x, w, offs, grad, need_x: bool, need_w: bool):
+    """(grad_x [M, K] or None, grad_w [E, K, N] or None) in x's dtype."""
+    if x.shape[0] == 0:
+        return torch.zeros_like(x), torch.zeros_like(w)
+    grad = _contiguous(grad)
+    gx = gw = None
+    if need_x:
+        gq, gs = _scale_rows(grad)
+        wq, ws = _weights_per_row(w)
+        gx = _scaled_gmm(gq, wq, gs, ws, offs).to(x.dtype)
+    if need_w:
+        gw = _fp8_grad_w(x, grad, offs).to(w.dtype)
+    return gx, gw
+
+
+# A custom op with its autograd registered, not an autograd.Function: torch 2.11's
+# torch.compile traced such a Function's output, made from FP8 operands that require no
+# grad, as non-differentiable and gave zero gradients (seen on an H200, 2026-12-01).
+@torch.library.custom_op("mxfp8_a2a::fp8_rowwise_grouped_mm", mutates_args=())
+def _fp8_rowwise_op(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """x [M, K], w [E, K, N] contiguous, offs int32 [E] -> [M, N] in x's dtype through
+    torch._scaled_grouped_mm; differentiable in x and w."""
+    return _fp8_forward(x, w, offs)
+
+
+@_fp8_rowwise_op.register_fake
+def _(x, w, offs):
+    return x.new_empty((x.shape[0], w.shape[2]))
+
+
+def _fp8_setup_context(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _fp8_backward(ctx, grad):
+    x, w, offs = ctx.saved_tensors
+    return (*_fp8_grads(x, w, offs, grad, *ctx.needs_input_grad[:2]), None)
+
+
+_fp8_rowwise_op.register_autograd(_fp8_backward, setup_context=_fp8_setup_context)
 
 
 # ---------------------------------------------------------------------------- public
@@ -290,7 +314,7 @@ def grouped_mm(
     if precision == "fp8_rowwise":
         if not x.is_cuda:
             return grouped_mm_reference(x, w, offs, precision=precision)
-        return _Fp8RowwiseGroupedMM.apply(x.contiguous(), w.contiguous(), offs)
+        return _fp8_rowwise_op(x.contiguous(), w.contiguous(), offs)
     if x.is_cuda and x.dtype == torch.bfloat16:
         return _GroupedMM.apply(x.contiguous(), w.contiguous(), offs, False)
     return _GroupedMM.apply(x, w, offs, True)
