@@ -62,10 +62,12 @@ COPY_ENGINE_MAX_RANGES = 2
 # x with row- or column-major data, the grad_w operands of a grouped GEMM, the forward's
 # weights): an amax launch over tiles of ``block_other`` x ``amax_rows`` and a cast launch over
 # tiles of ``block_other`` x ``cast_rows`` of the destination, both ``sub`` rows at a time.
-# Values: the design's starting point (32 KB bf16 amax tiles, 16 KB cast tiles, 4 warps), not swept
-# yet (scripts/tune_per_group.py --kind colwise). With them, (16640, 8192) bf16 at 1/16/64
-# groups on an H200 (2026-12-01, BENCHMARKS.md): 297/309/357 us with column-major data, 280/
-# 289/325 us row-major, 1.15-1.46 TB/s effective.
+# Values: the best of 8 tried by scripts/tune_per_group.py --kind colwise on an H200
+# (2026-12-01, torch 2.11, triton 3.6), (16640, 8192) bf16 at 1/16/64 groups: 239/246/273 us
+# with column-major data, 226/229/247 us row-major (1.5-1.8 TB/s effective), against
+# 256/277/312 and 239/257/281 us for the former (128, 128, 64, 32, 4). Longer amax tiles
+# (256 -> 512 rows) help most; sub 16 or 64, 8 warps and 64- or 256-wide strips were slower
+# (benchmarks/results/2026-12-01/tune_colwise.txt).
 # Replaced: the chunk kernel (one launch, each tile read twice by programs a lag of tickets
 # apart, the second read meant to hit L2): 223-300 us in the same layouts at its best tiling
 # of nine, 1.4-1.8 TB/s, faster on its own but unable to write the padded and per-expert
@@ -96,7 +98,7 @@ class ColwiseTiling(NamedTuple):
 ROWWISE_TILING = RowBlockTiling(
     tile=4096, item=8192, min_group=32, max_class=512, num_warps=4, maxnreg=64
 )  # fmt: skip
-COLWISE_TILING = ColwiseTiling(block_other=128, amax_rows=128, cast_rows=64, sub=32, num_warps=4)
+COLWISE_TILING = ColwiseTiling(block_other=128, amax_rows=512, cast_rows=128, sub=32, num_warps=4)
 # The interpreter (CPU tests): few classes, so that tests of a few hundred rows run every
 # class and the loop; small colwise tiles, so that they run several strips and chunks.
 INTERPRET_ROWWISE_TILING = RowBlockTiling(1024, 1024, 16, 128, 4)
