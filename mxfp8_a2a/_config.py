@@ -67,7 +67,9 @@ COPY_ENGINE_MAX_RANGES = 2
 # with column-major data, 226/229/247 us row-major (1.5-1.8 TB/s effective), against
 # 256/277/312 and 239/257/281 us for the former (128, 128, 64, 32, 4). Longer amax tiles
 # (256 -> 512 rows) help most; sub 16 or 64, 8 warps and 64- or 256-wide strips were slower
-# (benchmarks/results/2026-12-01/tune_colwise.txt).
+# (benchmarks/results/2026-12-01/tune_colwise.txt). Those tiles starve small launches: the
+# 8192x2048x8x16x768 experts' weights [16, 2048, 768] per column took 243 us with them (384
+# programs) against 107 us with 128-row tiles (1536 programs), hence ``min_programs``.
 # Replaced: the chunk kernel (one launch, each tile read twice by programs a lag of tickets
 # apart, the second read meant to hit L2): 223-300 us in the same layouts at its best tiling
 # of nine, 1.4-1.8 TB/s, faster on its own but unable to write the padded and per-expert
@@ -93,12 +95,15 @@ class ColwiseTiling(NamedTuple):
     cast_rows: int
     sub: int
     num_warps: int
+    min_programs: int = 0  # tiles shrink (rows halved, to 4 * sub) until a launch has this many
 
 
 ROWWISE_TILING = RowBlockTiling(
     tile=4096, item=8192, min_group=32, max_class=512, num_warps=4, maxnreg=64
 )  # fmt: skip
-COLWISE_TILING = ColwiseTiling(block_other=128, amax_rows=512, cast_rows=128, sub=32, num_warps=4)
+COLWISE_TILING = ColwiseTiling(
+    block_other=128, amax_rows=512, cast_rows=128, sub=32, num_warps=4, min_programs=2048
+)
 # The interpreter (CPU tests): few classes, so that tests of a few hundred rows run every
 # class and the loop; small colwise tiles, so that they run several strips and chunks.
 INTERPRET_ROWWISE_TILING = RowBlockTiling(1024, 1024, 16, 128, 4)

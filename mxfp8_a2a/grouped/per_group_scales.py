@@ -88,6 +88,14 @@ def _per_group_triton(
     return data.view(torch.float8_e4m3fn), scales
 
 
+def _colwise_rows(c: _config.ColwiseTiling, rows: int, extent: int, strips: int) -> int:
+    """Group-axis rows per tile: ``rows`` halved (down to 4 * c.sub) while the launch would
+    have fewer than c.min_programs programs."""
+    while rows > 4 * c.sub and triton.cdiv(extent, rows) * strips < c.min_programs:
+        rows //= 2
+    return rows
+
+
 def _colwise(
     x: torch.Tensor, offs: torch.Tensor, pow2: bool, data: torch.Tensor, pad: torch.Tensor | None
 ) -> torch.Tensor:
@@ -112,15 +120,17 @@ def _colwise(
     common = dict(SOFT=soft, INT64=int64, BO=c.block_other, SUB=c.sub,
                   BG=max(2, triton.next_power_of_2(g)), num_warps=c.num_warps)  # fmt: skip
     if extent and n_other:
-        _amax_kernel[(triton.cdiv(extent, c.amax_rows) * n_strips, batch)](
+        rows = _colwise_rows(c, c.amax_rows, extent, n_strips * batch)
+        _amax_kernel[(triton.cdiv(extent, rows) * n_strips, batch)](
             x, offs, ws, n_other, extent, g, x.stride(0), x.stride(2), x.stride(1), n_strips,
-            BL=c.amax_rows, ALIGN=16 if x.stride(1) == 1 else 1, **common,
+            BL=rows, ALIGN=16 if x.stride(1) == 1 else 1, **common,
         )  # fmt: skip
-    n_chunks = triton.cdiv(dest_extent, c.cast_rows)
+    rows = _colwise_rows(c, c.cast_rows, dest_extent, n_strips * batch)
+    n_chunks = triton.cdiv(dest_extent, rows)
     _cast_kernel[(n_chunks * n_strips, batch)](
         x, offs, ws, scales, data, ws if pad is None else pad, n_other, extent, g, dest_extent,
         x.stride(0), x.stride(2), x.stride(1), data.stride(0), data.stride(2), data.stride(1),
-        n_strips, n_chunks, ROUND_POW2=pow2, PAD=pad is not None, BL=c.cast_rows,
+        n_strips, n_chunks, ROUND_POW2=pow2, PAD=pad is not None, BL=rows,
         ALIGN=16 if data.stride(1) == 1 else 1, **common,
     )  # fmt: skip
     return scales
