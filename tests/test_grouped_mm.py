@@ -489,3 +489,31 @@ def _layer_sqnr(rank, world, seed):
 def test_gpu_layer_fp8_close_to_bf16():
     for db in run_distributed(_layer_sqnr, 1, 7, backend="nccl")[0]:
         assert db >= 20.0, db
+
+
+@pytest.mark.parametrize("grouped, scaled", [(True, True), (False, False)])
+def test_paths_without_torch_private_grouped_gemms(monkeypatch, grouped, scaled):
+    """Without torch._grouped_mm / torch._scaled_grouped_mm (private ops), CUDA inputs take
+    the public fallbacks: the loop op (bf16) and the plain-torch reference (fp8_rowwise)."""
+    monkeypatch.setattr(gm, "HAS_GROUPED_MM", grouped)
+    monkeypatch.setattr(gm, "HAS_SCALED_GROUPED_MM", scaled)
+    with FakeTensorMode():
+        bf16 = torch.empty(8, 16, device="cuda", dtype=torch.bfloat16)
+        fp32 = torch.empty(8, 16, device="cuda")
+    assert gm._path(bf16, "bf16") == ("grouped" if grouped else "loop")
+    assert gm._path(fp32, "bf16") == "loop"
+    assert gm._path(bf16, "fp8_rowwise") == ("scaled" if scaled else "reference")
+    assert gm._path(torch.empty(8, 16), "fp8_rowwise") == "reference"
+    assert gm._path(torch.empty(8, 16, dtype=torch.bfloat16), "bf16") == "loop"
+
+
+@needs_cuda
+@pytest.mark.parametrize("precision", gm.PRECISIONS)
+def test_gpu_fallbacks_without_torch_private_grouped_gemms(monkeypatch, precision):
+    if precision == "fp8_rowwise" and not SM90:
+        pytest.skip("fp8_rowwise needs an sm_90+ GPU")
+    args = _gpu_inputs("with_empty")
+    want = _fwd_bwd(_public(precision), *args)
+    monkeypatch.setattr(gm, "HAS_GROUPED_MM", False)
+    monkeypatch.setattr(gm, "HAS_SCALED_GROUPED_MM", False)
+    _close(_fwd_bwd(_public(precision), *args), want, precision)

@@ -278,6 +278,20 @@ def test_row_block_size():
     assert _row_block(t, 16640, 64, 64) == MAX_ROW_BLOCK  # groups of one column
 
 
+def test_colwise_rows():
+    """Colwise tile rows: the tiling's, halved (not below 4 * sub) while a launch would have
+    fewer than min_programs programs; min_programs 0 keeps them."""
+    from mxfp8_a2a._config import ColwiseTiling
+    from mxfp8_a2a.grouped.per_group_scales import _colwise_rows
+
+    c = ColwiseTiling(128, 512, 128, 32, 4, min_programs=2048)
+    assert _colwise_rows(c, 512, 16640, 64) == 512  # 33 chunks x 64 strips: 2112 programs
+    assert _colwise_rows(c, 512, 2048, 16 * 6) == 128  # 4 chunks x 96 strips: halved twice
+    assert _colwise_rows(c, 512, 32768, 16) == 256  # 64 x 16 = 1024, then 2048
+    assert _colwise_rows(c, 512, 100, 1) == 128  # never below 4 * sub
+    assert _colwise_rows(c._replace(min_programs=0), 512, 100, 1) == 512
+
+
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize(
     "widths",

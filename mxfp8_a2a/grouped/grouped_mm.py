@@ -48,6 +48,11 @@ from .per_group_scales import (
 PRECISIONS = ("bf16", "fp8_rowwise")
 MAX_GROUPS = 1023  # torch's CUTLASS grouped GEMMs: "Can't process more than 1024 groups"
 _BACKEND = "auto"  # of the per-group scaling calls (tests set "triton" under the interpreter)
+# torch's CUDA grouped GEMMs are private ops (both in torch 2.11 and 2.13). Where one is
+# missing, grouped_mm runs its public fallback: the loop op for "bf16", the plain-torch
+# reference for "fp8_rowwise" (the same arithmetic, slower, reading offs on the host).
+HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
+HAS_SCALED_GROUPED_MM = hasattr(torch, "_scaled_grouped_mm")
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -228,6 +233,15 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def _path(x: torch.Tensor, precision: str) -> str:
+    """What runs: "scaled" (the FP8 op, torch._scaled_grouped_mm), "reference" (plain torch:
+    "fp8_rowwise" on CPU or without that op), "grouped" (torch._grouped_mm: CUDA bf16) or
+    "loop" (the loop op: everything else)."""
+    if precision == "fp8_rowwise":
+        return "scaled" if x.is_cuda and HAS_SCALED_GROUPED_MM else "reference"
+    return "grouped" if x.is_cuda and x.dtype == torch.bfloat16 and HAS_GROUPED_MM else "loop"
+
+
 def _check(x, w, offs, precision: str) -> None:
     if precision not in PRECISIONS:
         raise ValueError(f"grouped_mm: precision must be one of {PRECISIONS}, got {precision!r}")
@@ -258,7 +272,7 @@ def _check(x, w, offs, precision: str) -> None:
         )
     fp8 = precision == "fp8_rowwise"
     multiple = 16 if fp8 else 16 // x.element_size()
-    if (fp8 or (x.is_cuda and x.dtype == torch.bfloat16)) and (k % multiple or n % multiple):
+    if (fp8 or _path(x, precision) == "grouped") and (k % multiple or n % multiple):
         raise ValueError(
             f"grouped_mm: precision={precision!r} needs K and N multiples of {multiple} (16-byte "
             f"rows for the GEMM), got K={k}, N={n}: pad x's columns and w's rows to a multiple "
@@ -299,7 +313,9 @@ def grouped_mm(
             forward x per row and w per (expert, output column); grad_x grad_out per row and
             w per (expert, row of K); grad_w both per (expert, column) along the tokens, with
             the per-group kernels. The output and gradients are rounded to bf16, then cast to
-            the inputs' dtype. On CPU "fp8_rowwise" runs the plain-torch reference.
+            the inputs' dtype. On CPU "fp8_rowwise" runs the plain-torch reference. Where
+            torch lacks its private torch._grouped_mm / torch._scaled_grouped_mm, the loop /
+            the reference run instead (``HAS_GROUPED_MM``, ``HAS_SCALED_GROUPED_MM``).
         validate: check the values of offs with a clear error (reads them on the host, one
             synchronization on CUDA). CPU offsets are always checked. Without it bad offsets
             on CUDA give wrong rows, not an error.
@@ -311,10 +327,11 @@ def grouped_mm(
     offs = offs.contiguous()  # the kernels and torch's GEMMs read it densely
     if validate or (offs.device.type == "cpu" and not torch.compiler.is_compiling()):
         _host_bounds(offs, x.shape[0])
-    if precision == "fp8_rowwise":
-        if not x.is_cuda:
-            return grouped_mm_reference(x, w, offs, precision=precision)
+    path = _path(x, precision)
+    if path == "reference":
+        return grouped_mm_reference(x, w, offs, precision=precision)
+    if path == "scaled":
         return _fp8_rowwise_op(x.contiguous(), w.contiguous(), offs)
-    if x.is_cuda and x.dtype == torch.bfloat16:
+    if path == "grouped":
         return _GroupedMM.apply(x.contiguous(), w.contiguous(), offs, False)
     return _GroupedMM.apply(x, w, offs, True)
