@@ -1,101 +1,34 @@
-"""grouped_mm: the plain-torch reference, the CPU loop, the CUDA paths (traced on CPU with fake
-CUDA tensors and with torch._scaled_grouped_mm emulated; run for real where CUDA is), the
-MoE layer on top, and the argument checks.
+"""grouped_mm on CPU: the plain-torch reference, the CPU loop, the CUDA paths (traced with fake
+CUDA tensors and run with torch._scaled_grouped_mm emulated), the MoE layer on top, and the
+argument checks. The GPU tests are in test_grouped_mm_gpu.py.
 
-GPU tests skip without CUDA ("fp8_rowwise" ones below sm_90):
     python -m pytest -q tests/test_grouped_mm.py
 """
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
 from dist_utils import run_distributed
+from grouped_mm_data import (
+    KINDS,
+    SQNR_FLOOR_DB,
+    _close,
+    _exact,
+    _fwd_bwd,
+    _inputs,
+    _public,
+    _reference,
+    _representable_inputs,
+    gm,
+    needs_interpreter,
+)
 from helpers import fresh_generator, sqnr_db
 from moe_reference import moe_reference
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import mxfp8_a2a as mx
-from mxfp8_a2a.grouped import grouped_mm_reference
 from mxfp8_a2a.moe.layer import ExpertParallelMoE, init_moe_weights
-
-gm = importlib.import_module("mxfp8_a2a.grouped.grouped_mm")  # the module (not the function)
-CUDA = torch.cuda.is_available()
-SM90 = CUDA and torch.cuda.get_device_capability() >= (9, 0)
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
-needs_sm90 = pytest.mark.skipif(not SM90, reason="fp8_rowwise needs an sm_90+ GPU")
-needs_interpreter = pytest.mark.skipif(  # conftest sets it before mxfp8_a2a is imported
-    os.environ.get("TRITON_INTERPRET") != "1",
-    reason="Triton kernels on CPU need TRITON_INTERPRET=1",
-)
-
-# (rtol, atol as a fraction of max |reference|) of a GPU path against the reference: both
-# round an fp32 accumulation to bf16 once (FP8: of the same e4m3 operands), so they differ
-# by the order of the fp32 sums (and Hopper's FP8 accumulation), about a bf16 ulp.
-TOLERANCES = {"bf16": (2**-7, 2**-9), "fp8_rowwise": (2**-6, 2**-7)}
-SQNR_FLOOR_DB = 25.0
-KINDS = ["uneven", "with_empty", "one_holds_all", "aligned"]
-
-
-def _offsets(m: int, e: int, kind: str, g: torch.Generator) -> torch.Tensor:
-    if kind == "one_holds_all":  # a middle expert takes every row
-        ends = [0] * (e // 2) + [m] * (e - e // 2)
-    elif kind == "aligned":
-        cuts = sorted(torch.randint(0, m // 16 + 1, (e - 1,), generator=g).tolist())
-        ends = [16 * c for c in cuts] + [m]
-    else:
-        ends = sorted(torch.randint(0, m + 1, (e - 1,), generator=g).tolist()) + [m]
-        if kind == "with_empty":  # the first, the last and a middle expert empty
-            ends[0] = 0
-            ends[e // 2] = ends[e // 2 - 1]
-            ends[-2] = m
-    return torch.tensor(ends, dtype=torch.int32)
-
-
-def _inputs(m, k, n, e, kind, dtype, device, g):
-    x = torch.randn(m, k, generator=g).to(dtype)
-    w = (torch.randn(e, k, n, generator=g) * k**-0.5).to(dtype)
-    grad = torch.randn(m, n, generator=g).to(dtype)
-    offs = _offsets(m, e, kind, g)
-    return x.to(device), w.to(device), offs.to(device), grad.to(device)
-
-
-def _fwd_bwd(fn, x, w, offs, grad):
-    x, w = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
-    out = fn(x, w, offs)
-    out.backward(grad)
-    return out.detach(), x.grad, w.grad
-
-
-def _exact(x, w, offs, grad):
-    """float64 out, grad_x, grad_w per group."""
-    x, w, grad = x.double(), w.double(), grad.double()
-    out, gx, gw = x.new_zeros(x.shape[0], w.shape[2]), torch.zeros_like(x), torch.zeros_like(w)
-    for e, (lo, hi) in enumerate(zip([0] + offs.tolist()[:-1], offs.tolist(), strict=True)):
-        out[lo:hi] = x[lo:hi] @ w[e]
-        gx[lo:hi] = grad[lo:hi] @ w[e].t()
-        gw[e] = x[lo:hi].t() @ grad[lo:hi]
-    return out, gx, gw
-
-
-def _close(got, want, precision):
-    rtol, atol = TOLERANCES[precision]
-    for a, b in zip(got, want, strict=True):
-        b = b.to(a.dtype)
-        scale = b.abs().max().item() if b.numel() else 0.0
-        torch.testing.assert_close(a, b, rtol=rtol, atol=atol * scale + 1e-30)
-
-
-def _reference(precision):
-    return lambda x, w, o: grouped_mm_reference(x, w, o, precision=precision)
-
-
-def _public(precision):
-    return lambda x, w, o: mx.grouped_mm(x, w, o, precision=precision)
-
 
 # ---------------------------------------------------------------------------- emulation
 
@@ -176,48 +109,6 @@ def test_bf16_loop_and_reference_match_exact_products(dtype, kind):
     for a, b, c in zip(got, ref, want, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)  # the loop op is the reference
         torch.testing.assert_close(a.double(), c, rtol=tol[0], atol=tol[1] * c.abs().max())
-
-
-def _representable(x_shape, offs, g, amax_rows=True):
-    """e4m3-representable values whose every row, and every (group, column), holds +-448, so
-    that each rowwise and per-group scale is exactly 1 and the FP8 casts lose nothing
-    (_representable_inputs then scales each group by its own power of two)."""
-    m, k = x_shape
-    x = (torch.randn(m, k, generator=g) * 64).clamp(-447, 447).to(torch.float8_e4m3fn).float()
-    sign = torch.where(torch.rand(m, k, generator=g) < 0.5, -448.0, 448.0)
-    cols = torch.arange(k)
-    if amax_rows:
-        rows = torch.arange(m)
-        x[rows, rows % k] = sign[rows, rows % k]
-    if offs is not None:
-        for lo, hi in zip([0] + offs.tolist()[:-1], offs.tolist(), strict=True):
-            if hi > lo:
-                r = lo + cols % (hi - lo)
-                x[r, cols] = sign[r, cols]
-    return x
-
-
-def _group_powers(t, offs, g):
-    """t with each group's rows times its own power of two (2^-8 .. 2^8)."""
-    for lo, hi in zip([0] + offs.tolist()[:-1], offs.tolist(), strict=True):
-        t[lo:hi] *= 2.0 ** torch.randint(-8, 9, (), generator=g).item()
-    return t
-
-
-def _representable_inputs(m, k, n, e, kind, dtype, g):
-    """Inputs on which every FP8 cast is exact, with per-group (x, grad) and per-expert (w)
-    powers of two, so that every scale differs from 1 and from its neighbours' (a scale
-    applied to the wrong rows, groups or experts, or the wrong way round, shows)."""
-    offs = _offsets(m, e, kind, g)
-    x = _group_powers(_representable((m, k), offs, g), offs, g)
-    grad = _group_powers(_representable((m, n), offs, g), offs, g)
-    w = torch.stack([_representable((k, n), None, g) for _ in range(e)])
-    rows = torch.arange(k)
-    cols = torch.arange(n)
-    w[:, cols % k, cols] = 448.0  # every (expert, column) and (expert, row) holds 448
-    w[:, rows, rows % n] = -448.0
-    w *= torch.exp2(torch.randint(-8, 9, (e, 1, 1), generator=g).float())
-    return x.to(dtype), w.to(dtype), offs, grad.to(dtype)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -396,101 +287,6 @@ def _bad_layer(rank, world):
         ExpertParallelMoE(64, 40, 2, 1, precision="fp8_rowwise")
 
 
-# ---------------------------------------------------------------------------- GPU
-
-
-def _gpu_inputs(kind, dtype=torch.bfloat16, m=1003, k=256, n=384, e=8):
-    return _inputs(m, k, n, e, kind, dtype, "cuda", fresh_generator())
-
-
-@needs_cuda
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("kind", KINDS)
-def test_gpu_bf16_matches_reference(dtype, kind):
-    args = _gpu_inputs(kind, dtype)
-    _close(_fwd_bwd(_public("bf16"), *args), _fwd_bwd(_reference("bf16"), *args), "bf16")
-
-
-@needs_sm90
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("m", [1003, 4096])
-def test_gpu_fp8_matches_reference(dtype, kind, m):
-    args = _gpu_inputs(kind, dtype, m=m)
-    got = _fwd_bwd(_public("fp8_rowwise"), *args)
-    _close(got, _fwd_bwd(_reference("fp8_rowwise"), *args), "fp8_rowwise")
-    assert all(t.dtype == dtype for t in got)
-
-
-@needs_sm90
-@pytest.mark.parametrize("kind", KINDS)
-def test_gpu_fp8_is_exact_on_representable_data(kind):
-    args = _representable_inputs(301, 64, 96, 6, kind, torch.bfloat16, fresh_generator())
-    args = [t.cuda() for t in args]
-    _close(_fwd_bwd(_public("fp8_rowwise"), *args), _exact(*args), "fp8_rowwise")
-
-
-@needs_sm90
-@pytest.mark.parametrize("kind", KINDS)
-def test_gpu_fp8_sqnr_against_bf16(kind):
-    args = _gpu_inputs(kind, m=4096, k=1024, n=512, e=8)
-    fp8 = _fwd_bwd(_public("fp8_rowwise"), *args)
-    bf16 = _fwd_bwd(_public("bf16"), *args)
-    for name, a, b in zip(("out", "grad_x", "grad_w"), fp8, bf16, strict=True):
-        assert sqnr_db(b, a) >= SQNR_FLOOR_DB, (name, sqnr_db(b, a))
-
-
-@needs_cuda
-@pytest.mark.parametrize("precision", gm.PRECISIONS)
-def test_gpu_empty_experts_get_zero_weight_gradients(precision):
-    if precision == "fp8_rowwise" and not SM90:
-        pytest.skip("fp8_rowwise needs an sm_90+ GPU")
-    x, w, offs, grad = _gpu_inputs("with_empty", m=517)
-    _, _, gw = _fwd_bwd(_public(precision), x, w, offs, grad)
-    sizes = torch.diff(offs, prepend=offs.new_zeros(1)).tolist()
-    for e, size in enumerate(sizes):
-        assert (gw[e].abs().sum() == 0) == (size == 0), (e, size)
-
-
-@needs_cuda
-@pytest.mark.parametrize("precision", gm.PRECISIONS)
-def test_gpu_torch_compile_fullgraph(precision):
-    if precision == "fp8_rowwise" and not SM90:
-        pytest.skip("fp8_rowwise needs an sm_90+ GPU")
-    args = _gpu_inputs("with_empty", m=500)
-    compiled = torch.compile(_public(precision), fullgraph=True, backend="inductor")
-    _close(_fwd_bwd(compiled, *args), _fwd_bwd(_public(precision), *args), precision)
-
-
-@needs_cuda
-def test_gpu_validate_reads_offsets():
-    x, w, offs, _ = _gpu_inputs("uneven")
-    with pytest.raises(ValueError, match="non-decreasing"):
-        mx.grouped_mm(x, w, offs.flip(0), validate=True)
-    with pytest.raises(ValueError, match="multiples of 8"):
-        mx.grouped_mm(x[:, :100], w[:, :100], offs)
-
-
-def _layer_sqnr(rank, world, seed):
-    torch.manual_seed(seed)
-    x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
-    res = []
-    for exchange, precision in (("bf16", "bf16"), ("mxfp8", "fp8_rowwise")):
-        layer = ExpertParallelMoE(256, 128, 8, 2, exchange=exchange, precision=precision, seed=seed)
-        layer = layer.to("cuda", torch.bfloat16)
-        xi = x.clone().requires_grad_(True)
-        out = layer(xi)
-        out.float().pow(2).sum().backward()
-        res.append((out.detach(), xi.grad, layer.w1.grad, layer.w2.grad))
-    return [sqnr_db(a, b) for a, b in zip(*res, strict=True)]
-
-
-@needs_sm90
-def test_gpu_layer_fp8_close_to_bf16():
-    for db in run_distributed(_layer_sqnr, 1, 7, backend="nccl")[0]:
-        assert db >= 20.0, db
-
-
 @pytest.mark.parametrize("grouped, scaled", [(True, True), (False, False)])
 def test_paths_without_torch_private_grouped_gemms(monkeypatch, grouped, scaled):
     """Without torch._grouped_mm / torch._scaled_grouped_mm (private ops), CUDA inputs take
@@ -505,15 +301,3 @@ def test_paths_without_torch_private_grouped_gemms(monkeypatch, grouped, scaled)
     assert gm._path(bf16, "fp8_rowwise") == ("scaled" if scaled else "reference")
     assert gm._path(torch.empty(8, 16), "fp8_rowwise") == "reference"
     assert gm._path(torch.empty(8, 16, dtype=torch.bfloat16), "bf16") == "loop"
-
-
-@needs_cuda
-@pytest.mark.parametrize("precision", gm.PRECISIONS)
-def test_gpu_fallbacks_without_torch_private_grouped_gemms(monkeypatch, precision):
-    if precision == "fp8_rowwise" and not SM90:
-        pytest.skip("fp8_rowwise needs an sm_90+ GPU")
-    args = _gpu_inputs("with_empty")
-    want = _fwd_bwd(_public(precision), *args)
-    monkeypatch.setattr(gm, "HAS_GROUPED_MM", False)
-    monkeypatch.setattr(gm, "HAS_SCALED_GROUPED_MM", False)
-    _close(_fwd_bwd(_public(precision), *args), want, precision)
