@@ -321,7 +321,7 @@ def grouped_mm(
             on CUDA give wrong rows, not an error.
     Returns:
         [M, N] in x's dtype, differentiable in x and w. torch.compile(fullgraph=True) traces
-        it (the CPU "fp8_rowwise" reference excepted).
+        it (the "fp8_rowwise" reference excepted: on CPU, or without torch._scaled_grouped_mm).
     """
     _check(x, w, offs, precision)
     offs = offs.contiguous()  # the kernels and torch's GEMMs read it densely
