@@ -184,6 +184,16 @@ def test_torch_compile_fullgraph_fp8_cuda_path_emulated(emulated, monkeypatch):
     _close(_fwd_bwd(compiled, *args), _fwd_bwd(_reference("fp8_rowwise"), *args), "fp8_rowwise")
 
 
+@needs_interpreter
+@pytest.mark.parametrize("m", [40, 0])
+def test_fp8_op_passes_opcheck(emulated, monkeypatch, m):
+    """mxfp8_a2a::fp8_rowwise_grouped_mm: schema, fake, registered autograd and AOT dispatch
+    (torch.library.opcheck), with rows and without."""
+    monkeypatch.setattr(gm, "_BACKEND", "triton")
+    x, w, offs, _ = _inputs(m, 32, 16, 3, "with_empty", torch.bfloat16, "cpu", fresh_generator())
+    torch.library.opcheck(emulated, (x.requires_grad_(True), w.requires_grad_(True), offs))
+
+
 @pytest.mark.parametrize("precision", gm.PRECISIONS)
 def test_no_rows(precision):
     x, w = torch.zeros(0, 32, requires_grad=True), torch.randn(3, 32, 16, requires_grad=True)
