@@ -1,8 +1,12 @@
-"""One ExpertParallelMoE layer, forward + backward, phase by phase, three ways:
+"""One ExpertParallelMoE layer, forward + backward, phase by phase, four ways:
 
     bf16 + loop           plain bf16 exchange, the experts as the old per-expert Python loop
     bf16 + grouped bf16   plain bf16 exchange, grouped_mm(precision="bf16")
     mxfp8 + fp8_rowwise   MXFP8 exchange, grouped_mm(precision="fp8_rowwise")
+    mxfp8 + fp8_rowwise, weights reused
+                          the same inside layer.fp8_weight_reuse(): the weights cast to FP8
+                          once (in an untimed step) and reused, as micro-batches 2..n of one
+                          optimizer step under gradient accumulation run
 
 Start with torchrun, one process per GPU (NCCL; one rank works: its exchange is local), or
 on a machine without GPUs (gloo, a smoke test with a tiny --shape):
@@ -26,6 +30,7 @@ variant, over all ranks.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from unittest import mock
@@ -46,6 +51,7 @@ VARIANTS = {  # name: (exchange, experts)
     "bf16 + loop": ("bf16", "loop"),
     "bf16 + grouped bf16": ("bf16", "bf16"),
     "mxfp8 + fp8_rowwise": ("mxfp8", "fp8_rowwise"),
+    "mxfp8 + fp8_rowwise, weights reused": ("mxfp8", "fp8_rowwise_reuse"),
 }
 MARKS = ("start", "dispatch", "experts", "combine", "combine_bwd", "experts_bwd", "end")
 PHASES = ("total", "fwd", "bwd", "dispatch", "experts", "combine")
@@ -128,7 +134,7 @@ def step(layer, x, grad, exchange: str, experts: str, clock) -> tuple[torch.Tens
     """One forward + backward of the layer's steps, marking the phase boundaries."""
     layer.exchange = exchange
     if experts != "loop":
-        layer.precision = experts
+        layer.precision = experts.removesuffix("_reuse")
     clock("start")
     weights, ids = route(x @ layer.router.to(x.dtype), layer.top_k)
     ex, counts, handle = dispatch(x, ids, layer.num_experts, layer.group, exchange=exchange)
@@ -183,9 +189,11 @@ def bench_shape(text, variants, iters, warmup, device) -> list[dict]:
         exchange, kind = VARIANTS[name]
         layer.zero_grad(set_to_none=True)
         x.grad = None
-        out, gx = step(layer, x, grad, exchange, kind, Clock(False))
-        first = first or (out, gx.clone())
-        res = time_variant(layer, x, grad, exchange, kind, iters, warmup, cuda)
+        reuse = layer.fp8_weight_reuse() if kind.endswith("_reuse") else contextlib.nullcontext()
+        with reuse:  # its weights are cast in this first, untimed step
+            out, gx = step(layer, x, grad, exchange, kind, Clock(False))
+            first = first or (out, gx.clone())
+            res = time_variant(layer, x, grad, exchange, kind, iters, warmup, cuda)
         res |= {"shape": text, "variant": name, "exchange": exchange, "experts_gemm": kind}
         res |= {"sqnr_out_db": sqnr_db(first[0], out), "sqnr_grad_x_db": sqnr_db(first[1], gx)}
         rows.append(res)

@@ -8,7 +8,8 @@ Layers (one subpackage each):
                  compute_output_splits; transports: "nccl" (default), CopyEngineTransport
     moe       -- dispatch, combine, ExpertParallelMoE
     grouped   -- per_group_colwise_scales, per_group_rowwise_scales (FP8 scaling of jagged
-                 tensors for grouped GEMMs), grouped_mm (the experts' grouped GEMMs)
+                 tensors for grouped GEMMs), grouped_mm (the experts' grouped GEMMs),
+                 fp8_rowwise_weights / Fp8Weights (its FP8 weight casts, made once)
 """
 
 from .exchange import (
@@ -31,12 +32,19 @@ from .formats import (
     quantize_reference,
     unpack,
 )
-from .grouped import grouped_mm, per_group_colwise_scales, per_group_rowwise_scales
+from .grouped import (
+    Fp8Weights,
+    fp8_rowwise_weights,
+    grouped_mm,
+    per_group_colwise_scales,
+    per_group_rowwise_scales,
+)
 from .moe import ExpertParallelMoE, combine, dispatch
 
 __all__ = [
     "CopyEngineTransport",
     "ExpertParallelMoE",
+    "Fp8Weights",
     "NcclTransport",
     "Transport",
     "combine",
@@ -45,6 +53,7 @@ __all__ = [
     "dequantize_packed",
     "dequantize_reference",
     "dispatch",
+    "fp8_rowwise_weights",
     "grouped_mm",
     "pack",
     "packed_row_bytes",

@@ -81,3 +81,9 @@ def block_count(rows: int, k: int, name: str) -> int:
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (cached)."""
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def contiguous(t: torch.Tensor) -> torch.Tensor:
+    """t.contiguous(), spelled as a clone (which fake CUDA tensors on a CPU-only build of
+    torch also run, so that tests can trace CUDA paths there)."""
+    return t if t.is_contiguous() else t.clone(memory_format=torch.contiguous_format)

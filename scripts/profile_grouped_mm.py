@@ -26,7 +26,7 @@ from mxfp8_a2a import grouped_mm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from common import do_bench_ms, versions, warm_gpu, write_json  # noqa: E402
 
-gm = importlib.import_module("mxfp8_a2a.grouped.grouped_mm")
+fr = importlib.import_module("mxfp8_a2a.grouped.fp8_rowwise")
 
 SHAPES = ["4096x7168x8x32x2048", "8192x2048x8x16x768"]
 
@@ -45,20 +45,20 @@ def uneven_offsets(m: int, e: int, g: torch.Generator) -> torch.Tensor:
 def _bench_pieces(a, w, g, offs) -> list[tuple[str, object, int]]:
     """(piece, function, elements cast) of one GEMM's operands and products: a [M, K] rows
     grouped by offs, w [E, K, N], g [M, N] the gradient of the output."""
-    aq, asc = gm._scale_rows(a)
-    wq, ws = gm._weights_per_column(w)
-    gq, gs = gm._scale_rows(g)
-    wr, wrs = gm._weights_per_row(w)
+    aq, asc = fr._scale_rows(a)
+    wq, ws = fr._weights_per_column(w)
+    gq, gs = fr._scale_rows(g)
+    wr, wrs = fr._weights_per_row(w)
     return [
-        (f"fwd: scale rows of a {list(a.shape)}", lambda: gm._scale_rows(a), a.numel()),
-        (f"fwd: w per column {list(w.shape)}", lambda: gm._weights_per_column(w), w.numel()),
-        ("fwd: FP8 GEMM", lambda: gm._scaled_gmm(aq, wq, asc, ws, offs), 0),
-        (f"bwd: scale rows of grad {list(g.shape)}", lambda: gm._scale_rows(g), g.numel()),
-        ("bwd: w per row", lambda: gm._weights_per_row(w), w.numel()),
-        ("bwd: grad_x FP8 GEMM", lambda: gm._scaled_gmm(gq, wr, gs, wrs, offs), 0),
-        ("bwd: grad_w a padded per group", lambda: gm.padded_token_scales(a, offs), a.numel()),
-        ("bwd: grad_w grad padded per group", lambda: gm.padded_token_scales(g, offs), g.numel()),
-        ("bwd: grad_w whole (casts + FP8 GEMM)", lambda: gm._fp8_grad_w(a, g, offs), 0),
+        (f"fwd: scale rows of a {list(a.shape)}", lambda: fr._scale_rows(a), a.numel()),
+        (f"fwd: w per column {list(w.shape)}", lambda: fr._weights_per_column(w), w.numel()),
+        ("fwd: FP8 GEMM", lambda: fr._scaled_gmm(aq, wq, asc, ws, offs), 0),
+        (f"bwd: scale rows of grad {list(g.shape)}", lambda: fr._scale_rows(g), g.numel()),
+        ("bwd: w per row", lambda: fr._weights_per_row(w), w.numel()),
+        ("bwd: grad_x FP8 GEMM", lambda: fr._scaled_gmm(gq, wr, gs, wrs, offs), 0),
+        ("bwd: grad_w a padded per group", lambda: fr.padded_token_scales(a, offs), a.numel()),
+        ("bwd: grad_w grad padded per group", lambda: fr.padded_token_scales(g, offs), g.numel()),
+        ("bwd: grad_w whole (casts + FP8 GEMM)", lambda: fr._fp8_grad_w(a, g, offs), 0),
         ("fwd: bf16 GEMM", lambda: torch._grouped_mm(a, w, offs=offs), 0),
         ("bwd: bf16 grad_w GEMM", lambda: torch._grouped_mm(a.t(), g, offs=offs), 0),
     ]

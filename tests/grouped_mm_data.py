@@ -15,6 +15,7 @@ import mxfp8_a2a as mx
 from mxfp8_a2a.grouped import grouped_mm_reference
 
 gm = importlib.import_module("mxfp8_a2a.grouped.grouped_mm")  # the module (not the function)
+fr = importlib.import_module("mxfp8_a2a.grouped.fp8_rowwise")
 CUDA = torch.cuda.is_available()
 SM90 = CUDA and torch.cuda.get_device_capability() >= (9, 0)
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")

@@ -20,6 +20,7 @@ from grouped_mm_data import (
     _public,
     _reference,
     _representable_inputs,
+    fr,
     gm,
     needs_interpreter,
 )
@@ -81,8 +82,8 @@ def _(a, b, sa, sb, offs):
 @pytest.fixture
 def emulated(monkeypatch):
     """The CUDA FP8 path, callable on CPU tensors: the op mxfp8_a2a::fp8_rowwise_grouped_mm."""
-    monkeypatch.setattr(gm, "_scaled_gmm", _emulated_op)
-    return gm._fp8_rowwise_op
+    monkeypatch.setattr(fr, "_scaled_gmm", _emulated_op)
+    return lambda x, w, offs: fr.fp8_rowwise_grouped_mm(x, w, offs, [])
 
 
 class _Ctx:
@@ -154,8 +155,8 @@ def test_cuda_paths_trace_with_fake_cuda_tensors(dtype):
         w = torch.empty(e, k, n, device="cuda", dtype=dtype)
         offs = torch.empty(e, device="cuda", dtype=torch.int32)
         grad = torch.empty(m, n, device="cuda", dtype=dtype)
-        out = gm._fp8_forward(x, w, offs)
-        gx, gw = gm._fp8_grads(x, w, offs, grad, True, True)
+        out = fr._fp8_forward(x, w, offs, [])
+        gx, gw = fr._fp8_grads(x, w, offs, grad, [], True, True)
         assert (out.shape, gx.shape, gw.shape) == ((m, n), (m, k), (e, k, n))
         assert out.dtype == gx.dtype == gw.dtype == dtype
         if dtype == torch.bfloat16:
@@ -176,7 +177,7 @@ def test_torch_compile_fullgraph_cpu():
 def test_torch_compile_fullgraph_fp8_cuda_path_emulated(emulated, monkeypatch):
     """The CUDA FP8 path traces in one graph (per-group kernels through the interpreter,
     torch._scaled_grouped_mm emulated as a custom op with torch's meta as its fake)."""
-    monkeypatch.setattr(gm, "_BACKEND", "triton")
+    monkeypatch.setattr(fr, "_BACKEND", "triton")
     args = _inputs(40, 32, 16, 3, "with_empty", torch.bfloat16, "cpu", fresh_generator())
     torch._dynamo.reset()
     # dynamic=True: symbolic shapes and strides, as a recompile at new sizes gets them
@@ -189,9 +190,38 @@ def test_torch_compile_fullgraph_fp8_cuda_path_emulated(emulated, monkeypatch):
 def test_fp8_op_passes_opcheck(emulated, monkeypatch, m):
     """mxfp8_a2a::fp8_rowwise_grouped_mm: schema, fake, registered autograd and AOT dispatch
     (torch.library.opcheck), with rows and without."""
-    monkeypatch.setattr(gm, "_BACKEND", "triton")
+    monkeypatch.setattr(fr, "_BACKEND", "triton")
     x, w, offs, _ = _inputs(m, 32, 16, 3, "with_empty", torch.bfloat16, "cpu", fresh_generator())
-    torch.library.opcheck(emulated, (x.requires_grad_(True), w.requires_grad_(True), offs))
+    x, w = x.requires_grad_(True), w.requires_grad_(True)
+    # (not with cached FP8 weights: opcheck's schema test multiplies them, which float8 lacks)
+    torch.library.opcheck(fr.fp8_rowwise_grouped_mm, (x, w, offs, []))
+
+
+@needs_interpreter
+def test_fp8_weights_made_once_give_the_same_bits(emulated, monkeypatch):
+    """The CUDA FP8 path with fp8_rowwise_weights(w) made beforehand: the same bits as the
+    path that casts w itself, forward and both gradients."""
+    monkeypatch.setattr(fr, "_BACKEND", "triton")
+    args = _inputs(61, 32, 48, 4, "with_empty", torch.bfloat16, "cpu", fresh_generator())
+    fp8 = list(fr.fp8_rowwise_weights(args[1]))
+    reused = _fwd_bwd(lambda x, w, o: fr.fp8_rowwise_grouped_mm(x, w, o, fp8), *args)
+    for a, b in zip(reused, _fwd_bwd(emulated, *args), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_bad_fp8_weights_raise_clear_errors():
+    x, w = torch.randn(8, 32), torch.randn(3, 32, 16)
+    offs = torch.tensor([2, 5, 8], dtype=torch.int32)
+    fp8 = fr.fp8_rowwise_weights(w)
+    with pytest.raises(ValueError, match="is for precision='fp8_rowwise'"):
+        mx.grouped_mm(x, w, offs, fp8_weights=fp8)
+    other = fr.fp8_rowwise_weights(torch.randn(3, 32, 32))
+    with pytest.raises(ValueError, match=r"fp8_rowwise_weights\(w\) of this w \[3, 32, 16\]"):
+        mx.grouped_mm(x, w[..., :16], offs, precision="fp8_rowwise", fp8_weights=other)
+    with pytest.raises(ValueError, match="fp8_rowwise_weights"):
+        mx.grouped_mm(x, w, offs, precision="fp8_rowwise", fp8_weights=tuple(fp8))
+    with pytest.raises(ValueError, match="3-D bf16 or fp32"):
+        fr.fp8_rowwise_weights(w[0])
 
 
 @pytest.mark.parametrize("precision", gm.PRECISIONS)
@@ -288,6 +318,39 @@ def test_layer_matches_reference_of_its_precision(precision):
 
 def test_layer_rejects_bad_precision():
     run_distributed(_bad_layer, 1)
+
+
+def test_layer_fp8_weight_reuse():
+    run_distributed(_layer_reuse, 1)
+
+
+def _layer_reuse(rank, world):
+    """Inside fp8_weight_reuse() the layer casts each weight once, reuses the casts (the
+    same results), refuses a weight changed inside the block, and frees them at its end."""
+    layer = ExpertParallelMoE(64, 32, 4, 2, exchange="bf16", precision="fp8_rowwise")
+    x = torch.randn(24, 64)
+    offs = torch.tensor([5, 5, 17, 24], dtype=torch.int32)
+    want = layer.experts(x, offs)
+    calls = []
+    with layer.fp8_weight_reuse():
+        for _ in range(2):
+            got = layer.experts(x, offs)
+            calls.append({k: id(v[1]) for k, v in layer._fp8_weights.items()})
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+            got.sum().backward()
+        assert sorted(calls[0]) == ["w1", "w2"] and calls[0] == calls[1]  # cast once
+        with pytest.raises(RuntimeError, match="already active"):
+            with layer.fp8_weight_reuse():
+                pass
+        with torch.no_grad():
+            layer.w1.mul_(0.5)  # an optimizer step inside the block
+        with pytest.raises(ValueError, match="w1 changed"):
+            layer.experts(x, offs)
+    assert layer._fp8_weights is None
+    layer.precision = "bf16"
+    with layer.fp8_weight_reuse():
+        layer.experts(x, offs)
+        assert layer._fp8_weights == {}  # nothing cast for bf16
 
 
 def _bad_layer(rank, world):

@@ -21,6 +21,7 @@ from grouped_mm_data import (
     _public,
     _reference,
     _representable_inputs,
+    fr,
     gm,
     needs_cuda,
     needs_sm90,
@@ -129,3 +130,15 @@ def test_gpu_fallbacks_without_torch_private_grouped_gemms(monkeypatch, precisio
     monkeypatch.setattr(gm, "HAS_GROUPED_MM", False)
     monkeypatch.setattr(gm, "HAS_SCALED_GROUPED_MM", False)
     _close(_fwd_bwd(_public(precision), *args), want, precision)
+
+
+@needs_sm90
+def test_gpu_fp8_weights_made_once_give_the_same_bits():
+    """grouped_mm with fp8_rowwise_weights(w) made beforehand: the same bits as without."""
+    args = _gpu_inputs("with_empty")
+    fp8 = fr.fp8_rowwise_weights(args[1])
+    reused = _fwd_bwd(
+        lambda x, w, o: mx.grouped_mm(x, w, o, precision="fp8_rowwise", fp8_weights=fp8), *args
+    )
+    for a, b in zip(reused, _fwd_bwd(_public("fp8_rowwise"), *args), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -4,7 +4,7 @@ x [M, K] holds rows grouped by expert (group e is rows offs[e-1]:offs[e]), w [E,
 experts' weights: out[rows of e] = x[rows of e] @ w[e]. Layers: torch's grouped GEMMs
 (torch._grouped_mm, torch._scaled_grouped_mm) and the custom op ``mxfp8_a2a::grouped_mm_loop``
 (a per-expert loop) -> the autograd Function _GroupedMM (bf16) and the custom op
-``mxfp8_a2a::fp8_rowwise_grouped_mm`` with its autograd -> grouped_mm.
+``mxfp8_a2a::fp8_rowwise_grouped_mm`` with its autograd (fp8_rowwise.py) -> grouped_mm.
 The plain-torch definition is grouped_mm_reference.py.
 
 Layout rules of torch's CUDA grouped GEMMs, as read in its sources (aten/src/ATen/native/
@@ -38,16 +38,12 @@ import functools
 
 import torch
 
+from .._common import contiguous
+from .fp8_rowwise import Fp8Weights, check_fp8_weights, fp8_rowwise_grouped_mm
 from .grouped_mm_reference import grouped_mm_reference
-from .per_group_scales import (
-    expert_column_scales,
-    padded_token_scales,
-    per_group_rowwise_scales,
-)
 
 PRECISIONS = ("bf16", "fp8_rowwise")
 MAX_GROUPS = 1023  # torch's CUTLASS grouped GEMMs: "Can't process more than 1024 groups"
-_BACKEND = "auto"  # of the per-group scaling calls (tests set "triton" under the interpreter)
 # torch's CUDA grouped GEMMs are private ops (both in torch 2.11 and 2.13). Where one is
 # missing, grouped_mm runs its public fallback: the loop op for "bf16", the plain-torch
 # reference for "fp8_rowwise" (the same arithmetic, slower, reading offs on the host).
@@ -56,12 +52,6 @@ HAS_SCALED_GROUPED_MM = hasattr(torch, "_scaled_grouped_mm")
 
 
 # ---------------------------------------------------------------------------- helpers
-
-
-def _contiguous(t: torch.Tensor) -> torch.Tensor:
-    """t.contiguous(), spelled as a clone (which fake CUDA tensors on a CPU-only build of
-    torch also run, so that tests can trace this module's CUDA paths there)."""
-    return t if t.is_contiguous() else t.clone(memory_format=torch.contiguous_format)
 
 
 def _host_bounds(offs: torch.Tensor, extent: int) -> list[tuple[int, int]]:
@@ -110,11 +100,6 @@ def _gmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, loop: bool) -> to
     return _loop_op(a, b, offs) if loop else torch._grouped_mm(a, b, offs=offs)
 
 
-def _scaled_gmm(a, b, scale_a, scale_b, offs) -> torch.Tensor:
-    """torch._scaled_grouped_mm: a e4m3 row-major, b e4m3 column-major, fp32 multipliers."""
-    return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs, out_dtype=torch.bfloat16)
-
-
 class _GroupedMM(torch.autograd.Function):
     """Unscaled: torch._grouped_mm (CUDA, bf16) or the loop op, forward and backward."""
 
@@ -133,96 +118,12 @@ class _GroupedMM(torch.autograd.Function):
         if x.shape[0] == 0:
             gx, gw = torch.zeros_like(x), torch.zeros_like(w)
         else:
-            grad = _contiguous(grad)
+            grad = contiguous(grad)
             if ctx.needs_input_grad[0]:  # w^T: column-major (E, N, K)
                 gx = _gmm(grad, w.transpose(-2, -1), offs, ctx.loop)
             if ctx.needs_input_grad[1]:  # x^T column-major, grad row-major: 2-D x 2-D
                 gw = _gmm(x.t(), grad, offs, ctx.loop)
         return gx, gw, None, None
-
-
-# ---------------------------------------------------------------------------- FP8 operands
-
-
-def _scale_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """t [R, C] -> e4m3 [R, C] row-major with one scale per row, reciprocal scales fp32 [R]."""
-    whole = torch.full((1,), t.shape[1], dtype=torch.int32, device=t.device)
-    data, scales = per_group_rowwise_scales(t, whole, backend=_BACKEND, validate=False)
-    return _contiguous(data), scales.reshape(-1).reciprocal()
-
-
-def _weights_per_column(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [E, K, N] -> e4m3 [E, K, N] column-major, one scale per (expert, column of N):
-    reciprocals fp32 [E, N] (the forward's mat_b)."""
-    data, scales = expert_column_scales(w)
-    return data, scales.reciprocal()
-
-
-def _weights_per_row(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [E, K, N] -> w^T e4m3 [E, N, K] column-major (w's own row-major storage), one scale
-    per (expert, row of K): reciprocals fp32 [E, K] (grad_x's mat_b)."""
-    e, k, n = w.shape
-    data, inv = _scale_rows(w.reshape(e * k, n))
-    return data.view(e, k, n).transpose(1, 2), inv.view(e, k)
-
-
-def _fp8_grad_w(x: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """grad_w [E, K, N] bf16: x^T (K, M) and grad^T (N, M) scaled per (group, row) along the
-    tokens, written with 16-aligned non-empty token groups, then one 2-D x 2-D FP8 GEMM."""
-    a, sx, pad_offs = padded_token_scales(x, offs)  # (K, cap) row-major
-    b, sg, _ = padded_token_scales(grad, offs)  # (N, cap) row-major: b.t() column-major
-    return _scaled_gmm(a, b.t(), sx.reciprocal().reshape(-1), sg.reciprocal().reshape(-1), pad_offs)
-
-
-def _fp8_forward(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """out [M, N] in x's dtype: x per row and w per (expert, output column) in e4m3."""
-    if x.shape[0] == 0:
-        return x.new_empty((0, w.shape[2]))
-    xq, xs = _scale_rows(x)
-    wq, ws = _weights_per_column(w)
-    return _scaled_gmm(xq, wq, xs, ws, offs).to(x.dtype)
-
-
-def _fp8_grads(x, w, offs, grad, need_x: bool, need_w: bool):
-    """(grad_x [M, K] or None, grad_w [E, K, N] or None) in x's dtype."""
-    if x.shape[0] == 0:
-        return torch.zeros_like(x), torch.zeros_like(w)
-    grad = _contiguous(grad)
-    gx = gw = None
-    if need_x:
-        gq, gs = _scale_rows(grad)
-        wq, ws = _weights_per_row(w)
-        gx = _scaled_gmm(gq, wq, gs, ws, offs).to(x.dtype)
-    if need_w:
-        gw = _fp8_grad_w(x, grad, offs).to(w.dtype)
-    return gx, gw
-
-
-# A custom op with its autograd registered, not an autograd.Function: torch 2.11's
-# torch.compile traced such a Function's output, made from FP8 operands that require no
-# grad, as non-differentiable and gave zero gradients (seen on an H200, 2026-12-01).
-@torch.library.custom_op("mxfp8_a2a::fp8_rowwise_grouped_mm", mutates_args=())
-def _fp8_rowwise_op(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """x [M, K], w [E, K, N] contiguous, offs int32 [E] -> [M, N] in x's dtype through
-    torch._scaled_grouped_mm; differentiable in x and w."""
-    return _fp8_forward(x, w, offs)
-
-
-@_fp8_rowwise_op.register_fake
-def _(x, w, offs):
-    return x.new_empty((x.shape[0], w.shape[2]))
-
-
-def _fp8_setup_context(ctx, inputs, output) -> None:
-    ctx.save_for_backward(*inputs)
-
-
-def _fp8_backward(ctx, grad):
-    x, w, offs = ctx.saved_tensors
-    return (*_fp8_grads(x, w, offs, grad, *ctx.needs_input_grad[:2]), None)
-
-
-_fp8_rowwise_op.register_autograd(_fp8_backward, setup_context=_fp8_setup_context)
 
 
 # ---------------------------------------------------------------------------- public
@@ -296,6 +197,7 @@ def grouped_mm(
     *,
     precision: str = "bf16",
     validate: bool = False,
+    fp8_weights: Fp8Weights | None = None,
 ) -> torch.Tensor:
     """out[offs[e-1]:offs[e]] = x[offs[e-1]:offs[e]] @ w[e] for every expert e.
 
@@ -316,6 +218,10 @@ def grouped_mm(
             the inputs' dtype. On CPU "fp8_rowwise" runs the plain-torch reference. Where
             torch lacks its private torch._grouped_mm / torch._scaled_grouped_mm, the loop /
             the reference run instead (``HAS_GROUPED_MM``, ``HAS_SCALED_GROUPED_MM``).
+        fp8_weights: with "fp8_rowwise", ``fp8_rowwise_weights(w)`` made earlier for this
+            same, unchanged w: the call uses those casts instead of making its own (the
+            caller vouches that w has not changed since; the results are the same bits).
+            Ignored where the plain-torch reference runs.
         validate: check the values of offs with a clear error (reads them on the host, one
             synchronization on CUDA). CPU offsets are always checked. Without it bad offsets
             on CUDA give wrong rows, not an error.
@@ -324,6 +230,8 @@ def grouped_mm(
         it (the "fp8_rowwise" reference excepted: on CPU, or without torch._scaled_grouped_mm).
     """
     _check(x, w, offs, precision)
+    if fp8_weights is not None:
+        check_fp8_weights(w, fp8_weights, precision)
     offs = offs.contiguous()  # the kernels and torch's GEMMs read it densely
     if validate or (offs.device.type == "cpu" and not torch.compiler.is_compiling()):
         _host_bounds(offs, x.shape[0])
@@ -331,7 +239,8 @@ def grouped_mm(
     if path == "reference":
         return grouped_mm_reference(x, w, offs, precision=precision)
     if path == "scaled":
-        return _fp8_rowwise_op(x.contiguous(), w.contiguous(), offs)
+        cached = [] if fp8_weights is None else list(fp8_weights)
+        return fp8_rowwise_grouped_mm(x.contiguous(), w.contiguous(), offs, cached)
     if path == "grouped":
         return _GroupedMM.apply(x.contiguous(), w.contiguous(), offs, False)
     return _GroupedMM.apply(x, w, offs, True)

@@ -10,10 +10,14 @@ drawn for all experts from one seed and sliced, so every world size builds the s
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 
 from ..exchange.transport import Transport
+from ..grouped.fp8_rowwise import Fp8Weights, fp8_rowwise_weights
 from ..grouped.grouped_mm import PRECISIONS, grouped_mm
 from .dispatch import combine, dispatch
 
@@ -73,6 +77,7 @@ class ExpertParallelMoE(torch.nn.Module):
         self.router = torch.nn.Parameter(full["router"])
         self.w1 = torch.nn.Parameter(full["w1"][local].clone())
         self.w2 = torch.nn.Parameter(full["w2"][local].clone())
+        self._fp8_weights: dict[str, tuple[tuple, Fp8Weights]] | None = None  # fp8_weight_reuse
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(x @ self.router.to(x.dtype), self.top_k)
@@ -84,10 +89,53 @@ class ExpertParallelMoE(torch.nn.Module):
     def experts(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """This rank's experts on x [N, hidden], rows grouped by local expert with end offsets
         ``offs`` (int32 [L] on x's device): gelu(x @ w1[e]) @ w2[e], in x's dtype."""
-        h = grouped_mm(x, self.w1.to(x.dtype), offs, precision=self.precision)
-        return grouped_mm(
-            torch.nn.functional.gelu(h), self.w2.to(x.dtype), offs, precision=self.precision
-        )
+        w1, w2 = self.w1.to(x.dtype), self.w2.to(x.dtype)
+        h = grouped_mm(x, w1, offs, precision=self.precision, fp8_weights=self._reused("w1", w1))
+        h = torch.nn.functional.gelu(h)
+        return grouped_mm(h, w2, offs, precision=self.precision, fp8_weights=self._reused("w2", w2))
+
+    @contextlib.contextmanager
+    def fp8_weight_reuse(self) -> Iterator[None]:
+        """For the micro-batches of one optimizer step (gradient accumulation): inside the
+        block, precision="fp8_rowwise" casts w1 and w2 to FP8 at their first use and reuses
+        those casts (``fp8_rowwise_weights``, 2 bytes per weight element, held until the block
+        ends) instead of casting them again in every forward and backward. The results are
+        the same bits. Step the optimizer after the block: a weight changed in place inside
+        it raises ValueError at its next use (seen through its version counter, where torch
+        has one). No effect with precision="bf16" or under torch.compile.
+
+            with layer.fp8_weight_reuse():
+                for batch in micro_batches:
+                    loss_fn(layer(batch)).backward()
+            optimizer.step()
+        """
+        if self._fp8_weights is not None:
+            raise RuntimeError("ExpertParallelMoE.fp8_weight_reuse() is already active")
+        self._fp8_weights = {}
+        try:
+            yield
+        finally:
+            self._fp8_weights = None
+
+    def _reused(self, name: str, w: torch.Tensor) -> Fp8Weights | None:
+        """The block's FP8 casts of parameter ``name`` (w: it in the activations' dtype)."""
+        if self._fp8_weights is None or self.precision != "fp8_rowwise":
+            return None
+        if torch.compiler.is_compiling():
+            return None
+        param = getattr(self, name)
+        key = (param.data_ptr(), w.dtype, w.device)
+        version = getattr(param, "_version", None)  # torch's in-place counter (not public API)
+        if name not in self._fp8_weights:
+            self._fp8_weights[name] = (key, version), fp8_rowwise_weights(w)
+        (seen_key, seen_version), fp8 = self._fp8_weights[name]
+        if seen_key != key or seen_version != version:
+            raise ValueError(
+                f"ExpertParallelMoE: {name} changed (in place, or its storage or dtype) inside "
+                f"fp8_weight_reuse(), so its FP8 casts would be stale; step the optimizer after "
+                f"the block, not inside it"
+            )
+        return fp8
 
 
 def init_moe_weights(hidden: int, ffn: int, num_experts: int, seed: int) -> dict[str, torch.Tensor]:

@@ -1,0 +1,161 @@
+"""The FP8-rowwise grouped GEMM of grouped_mm(precision="fp8_rowwise"): its operands' casts
+(the per-group kernels of per_group_scales.py), torch._scaled_grouped_mm, and the custom op
+``mxfp8_a2a::fp8_rowwise_grouped_mm`` with its autograd; ``Fp8Weights`` /
+``fp8_rowwise_weights``, the weights' casts made once for several calls. grouped_mm.py says
+which layouts torch's FP8 grouped GEMM needs and how they are met.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .._common import contiguous
+from .per_group_scales import (
+    expert_column_scales,
+    padded_token_scales,
+    per_group_rowwise_scales,
+)
+
+_BACKEND = "auto"  # of the per-group scaling calls (tests set "triton" under the interpreter)
+_FP8_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def _scaled_gmm(a, b, scale_a, scale_b, offs) -> torch.Tensor:
+    """torch._scaled_grouped_mm: a e4m3 row-major, b e4m3 column-major, fp32 multipliers."""
+    return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs, out_dtype=torch.bfloat16)
+
+
+def _scale_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """t [R, C] -> e4m3 [R, C] row-major with one scale per row, reciprocal scales fp32 [R]."""
+    whole = torch.full((1,), t.shape[1], dtype=torch.int32, device=t.device)
+    data, scales = per_group_rowwise_scales(t, whole, backend=_BACKEND, validate=False)
+    return contiguous(data), scales.reshape(-1).reciprocal()
+
+
+def _weights_per_column(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [E, K, N] -> e4m3 [E, K, N] column-major, one scale per (expert, column of N):
+    reciprocals fp32 [E, N] (the forward's mat_b)."""
+    data, scales = expert_column_scales(w)
+    return data, scales.reciprocal()
+
+
+def _weights_per_row(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [E, K, N] -> w^T e4m3 [E, N, K] column-major (w's own row-major storage), one scale
+    per (expert, row of K): reciprocals fp32 [E, K] (grad_x's mat_b)."""
+    e, k, n = w.shape
+    data, inv = _scale_rows(w.reshape(e * k, n))
+    return data.view(e, k, n).transpose(1, 2), inv.view(e, k)
+
+
+def _fp8_grad_w(x: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """grad_w [E, K, N] bf16: x^T (K, M) and grad^T (N, M) scaled per (group, row) along the
+    tokens, written with 16-aligned non-empty token groups, then one 2-D x 2-D FP8 GEMM."""
+    a, sx, pad_offs = padded_token_scales(x, offs)  # (K, cap) row-major
+    b, sg, _ = padded_token_scales(grad, offs)  # (N, cap) row-major: b.t() column-major
+    return _scaled_gmm(a, b.t(), sx.reciprocal().reshape(-1), sg.reciprocal().reshape(-1), pad_offs)
+
+
+class Fp8Weights(NamedTuple):
+    """The FP8 copies of expert weights w [E, K, N] that precision="fp8_rowwise" uses, made
+    once (``fp8_rowwise_weights``) for several grouped_mm calls on the same, unchanged w (the
+    micro-batches of one optimizer step: ExpertParallelMoE.fp8_weight_reuse).
+
+    by_column: e4m3 [E, K, N], each expert column-major, one scale per (expert, column of N);
+    column_inv: fp32 [E, N], its dequantization multipliers (the forward's operand).
+    by_row: e4m3 [E, N, K] (w^T, each expert column-major), one scale per (expert, row of K);
+    row_inv: fp32 [E, K] (grad_x's operand).
+    """
+
+    by_column: torch.Tensor
+    column_inv: torch.Tensor
+    by_row: torch.Tensor
+    row_inv: torch.Tensor
+
+
+def fp8_rowwise_weights(w: torch.Tensor) -> Fp8Weights:
+    """w [E, K, N] bf16 or fp32 (CUDA, or CPU) -> its Fp8Weights, the casts fp8_rowwise
+    grouped_mm otherwise makes on every call (2 bytes per element of w in all, plus the
+    scales). Outside autograd: w's gradient still flows through grouped_mm's w."""
+    if not isinstance(w, torch.Tensor) or w.dim() != 3 or w.dtype not in _FP8_DTYPES:
+        what = (tuple(w.shape), w.dtype) if isinstance(w, torch.Tensor) else type(w).__name__
+        raise ValueError(f"fp8_rowwise_weights: w must be a 3-D bf16 or fp32 tensor, got {what}")
+    with torch.no_grad():
+        w = w.detach().contiguous()
+        return Fp8Weights(*_weights_per_column(w), *_weights_per_row(w))
+
+
+def _fp8_forward(x, w, offs, cached: list[torch.Tensor]) -> torch.Tensor:
+    """out [M, N] in x's dtype: x per row and w per (expert, output column) in e4m3 (``cached``:
+    an Fp8Weights' tensors, or empty)."""
+    if x.shape[0] == 0:
+        return x.new_empty((0, w.shape[2]))
+    xq, xs = _scale_rows(x)
+    wq, ws = cached[:2] if cached else _weights_per_column(w)
+    return _scaled_gmm(xq, wq, xs, ws, offs).to(x.dtype)
+
+
+def _fp8_grads(x, w, offs, grad, cached: list[torch.Tensor], need_x: bool, need_w: bool):
+    """(grad_x [M, K] or None, grad_w [E, K, N] or None) in x's dtype."""
+    if x.shape[0] == 0:
+        return torch.zeros_like(x), torch.zeros_like(w)
+    grad = contiguous(grad)
+    gx = gw = None
+    if need_x:
+        gq, gs = _scale_rows(grad)
+        wq, ws = cached[2:] if cached else _weights_per_row(w)
+        gx = _scaled_gmm(gq, wq, gs, ws, offs).to(x.dtype)
+    if need_w:
+        gw = _fp8_grad_w(x, grad, offs).to(w.dtype)
+    return gx, gw
+
+
+# A custom op with its autograd registered, not an autograd.Function: torch 2.11's
+# torch.compile traced such a Function's output, made from FP8 operands that require no
+# grad, as non-differentiable and gave zero gradients (seen on an H200, 2026-12-01).
+@torch.library.custom_op("mxfp8_a2a::fp8_rowwise_grouped_mm", mutates_args=())
+def fp8_rowwise_grouped_mm(
+    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, cached: list[torch.Tensor]
+) -> torch.Tensor:
+    """x [M, K], w [E, K, N] contiguous, offs int32 [E], cached: the four tensors of w's
+    Fp8Weights or none -> [M, N] in x's dtype through torch._scaled_grouped_mm;
+    differentiable in x and w."""
+    return _fp8_forward(x, w, offs, cached)
+
+
+@fp8_rowwise_grouped_mm.register_fake
+def _(x, w, offs, cached):
+    return x.new_empty((x.shape[0], w.shape[2]))
+
+
+def _fp8_setup_context(ctx, inputs, output) -> None:
+    x, w, offs, cached = inputs
+    ctx.save_for_backward(x, w, offs, *cached)
+
+
+def _fp8_backward(ctx, grad):
+    x, w, offs, *cached = ctx.saved_tensors
+    gx, gw = _fp8_grads(x, w, offs, grad, cached, *ctx.needs_input_grad[:2])
+    return gx, gw, None, [None] * len(cached)  # one entry per input, lists as lists
+
+
+fp8_rowwise_grouped_mm.register_autograd(_fp8_backward, setup_context=_fp8_setup_context)
+
+
+def check_fp8_weights(w: torch.Tensor, fp8: Fp8Weights, precision: str) -> None:
+    if precision != "fp8_rowwise":
+        raise ValueError(
+            f"grouped_mm: fp8_weights is for precision='fp8_rowwise', got {precision!r}"
+        )
+    e, k, n = w.shape
+    want = ((e, k, n), (e, n), (e, n, k), (e, k))
+    dtypes = (torch.float8_e4m3fn, torch.float32) * 2
+    if not isinstance(fp8, Fp8Weights) or any(
+        t.shape != shape or t.dtype != dt or t.device != w.device
+        for t, shape, dt in zip(fp8, want, dtypes, strict=True)
+    ):
+        raise ValueError(
+            f"grouped_mm: fp8_weights must be fp8_rowwise_weights(w) of this w [{e}, {k}, {n}] "
+            f"on {w.device}"
+        )
