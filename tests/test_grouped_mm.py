@@ -193,8 +193,11 @@ def test_fp8_op_passes_opcheck(emulated, monkeypatch, m):
     monkeypatch.setattr(fr, "_BACKEND", "triton")
     x, w, offs, _ = _inputs(m, 32, 16, 3, "with_empty", torch.bfloat16, "cpu", fresh_generator())
     x, w = x.requires_grad_(True), w.requires_grad_(True)
-    # (not with cached FP8 weights: opcheck's schema test multiplies them, which float8 lacks)
     torch.library.opcheck(fr.fp8_rowwise_grouped_mm, (x, w, offs, []))
+    # with cached FP8 weights all but the schema test (it multiplies them: float8 cannot)
+    cached = list(fr.fp8_rowwise_weights(w))
+    checks = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(fr.fp8_rowwise_grouped_mm, (x, w, offs, cached), test_utils=checks)
 
 
 @needs_interpreter
@@ -325,20 +328,31 @@ def test_layer_fp8_weight_reuse():
 
 
 def _layer_reuse(rank, world):
-    """Inside fp8_weight_reuse() the layer casts each weight once, reuses the casts (the
-    same results), refuses a weight changed inside the block, and frees them at its end."""
+    """Inside fp8_weight_reuse() the layer (its CUDA FP8 path, the GEMM emulated) casts each
+    weight once per activation dtype, gives the same bits as without the block, refuses a
+    weight changed inside it, makes nothing in inference mode, and frees the casts at its
+    end."""
+    fr._scaled_gmm = _emulated_op  # (this process only)
+    gm.gemm_path = lambda x, precision: "scaled" if precision == "fp8_rowwise" else "loop"
+    casts = []
+    per_column = fr._weights_per_column
+    fr._weights_per_column = lambda w: casts.append(w.dtype) or per_column(w)
     layer = ExpertParallelMoE(64, 32, 4, 2, exchange="bf16", precision="fp8_rowwise")
     x = torch.randn(24, 64)
     offs = torch.tensor([5, 5, 17, 24], dtype=torch.int32)
     want = layer.experts(x, offs)
-    calls = []
+    assert len(casts) == 2
     with layer.fp8_weight_reuse():
+        with torch.inference_mode():
+            layer.experts(x, offs)
+        assert layer._fp8_weights == {} and len(casts) == 4
         for _ in range(2):
             got = layer.experts(x, offs)
-            calls.append({k: id(v[1]) for k, v in layer._fp8_weights.items()})
             torch.testing.assert_close(got, want, rtol=0, atol=0)
             got.sum().backward()
-        assert sorted(calls[0]) == ["w1", "w2"] and calls[0] == calls[1]  # cast once
+        assert len(casts) == 6  # w1 and w2 once each for both micro-batches
+        layer.experts(x.bfloat16(), offs)  # another activation dtype: its own casts
+        assert casts[6:] == [torch.bfloat16] * 2 and len(layer._fp8_weights) == 4
         with pytest.raises(RuntimeError, match="already active"):
             with layer.fp8_weight_reuse():
                 pass
@@ -369,8 +383,8 @@ def test_paths_without_torch_private_grouped_gemms(monkeypatch, grouped, scaled)
     with FakeTensorMode():
         bf16 = torch.empty(8, 16, device="cuda", dtype=torch.bfloat16)
         fp32 = torch.empty(8, 16, device="cuda")
-    assert gm._path(bf16, "bf16") == ("grouped" if grouped else "loop")
-    assert gm._path(fp32, "bf16") == "loop"
-    assert gm._path(bf16, "fp8_rowwise") == ("scaled" if scaled else "reference")
-    assert gm._path(torch.empty(8, 16), "fp8_rowwise") == "reference"
-    assert gm._path(torch.empty(8, 16, dtype=torch.bfloat16), "bf16") == "loop"
+    assert gm.gemm_path(bf16, "bf16") == ("grouped" if grouped else "loop")
+    assert gm.gemm_path(fp32, "bf16") == "loop"
+    assert gm.gemm_path(bf16, "fp8_rowwise") == ("scaled" if scaled else "reference")
+    assert gm.gemm_path(torch.empty(8, 16), "fp8_rowwise") == "reference"
+    assert gm.gemm_path(torch.empty(8, 16, dtype=torch.bfloat16), "bf16") == "loop"

@@ -97,7 +97,7 @@ def _fp8_forward(x, w, offs, cached: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _fp8_grads(x, w, offs, grad, cached: list[torch.Tensor], need_x: bool, need_w: bool):
-    """(grad_x [M, K] or None, grad_w [E, K, N] or None) in x's dtype."""
+    """(grad_x [M, K] in x's dtype or None, grad_w [E, K, N] in w's dtype or None)."""
     if x.shape[0] == 0:
         return torch.zeros_like(x), torch.zeros_like(w)
     grad = contiguous(grad)
@@ -151,9 +151,11 @@ def check_fp8_weights(w: torch.Tensor, fp8: Fp8Weights, precision: str) -> None:
     e, k, n = w.shape
     want = ((e, k, n), (e, n), (e, n, k), (e, k))
     dtypes = (torch.float8_e4m3fn, torch.float32) * 2
+    # the layouts torch._scaled_grouped_mm reads: each expert column-major
+    strides = ((n * k, 1, k), (n, 1), (n * k, 1, n), (k, 1))
     if not isinstance(fp8, Fp8Weights) or any(
-        t.shape != shape or t.dtype != dt or t.device != w.device
-        for t, shape, dt in zip(fp8, want, dtypes, strict=True)
+        t.shape != shape or t.dtype != dt or t.device != w.device or t.stride() != st
+        for t, shape, dt, st in zip(fp8, want, dtypes, strides, strict=True)
     ):
         raise ValueError(
             f"grouped_mm: fp8_weights must be fp8_rowwise_weights(w) of this w [{e}, {k}, {n}] "

@@ -134,7 +134,7 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-def _path(x: torch.Tensor, precision: str) -> str:
+def gemm_path(x: torch.Tensor, precision: str) -> str:
     """What runs: "scaled" (the FP8 op, torch._scaled_grouped_mm), "reference" (plain torch:
     "fp8_rowwise" on CPU or without that op), "grouped" (torch._grouped_mm: CUDA bf16) or
     "loop" (the loop op: everything else)."""
@@ -173,7 +173,7 @@ def _check(x, w, offs, precision: str) -> None:
         )
     fp8 = precision == "fp8_rowwise"
     multiple = 16 if fp8 else 16 // x.element_size()
-    if (fp8 or _path(x, precision) == "grouped") and (k % multiple or n % multiple):
+    if (fp8 or gemm_path(x, precision) == "grouped") and (k % multiple or n % multiple):
         raise ValueError(
             f"grouped_mm: precision={precision!r} needs K and N multiples of {multiple} (16-byte "
             f"rows for the GEMM), got K={k}, N={n}: pad x's columns and w's rows to a multiple "
@@ -235,7 +235,7 @@ def grouped_mm(
     offs = offs.contiguous()  # the kernels and torch's GEMMs read it densely
     if validate or (offs.device.type == "cpu" and not torch.compiler.is_compiling()):
         _host_bounds(offs, x.shape[0])
-    path = _path(x, precision)
+    path = gemm_path(x, precision)
     if path == "reference":
         return grouped_mm_reference(x, w, offs, precision=precision)
     if path == "scaled":

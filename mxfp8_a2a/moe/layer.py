@@ -11,6 +11,7 @@ drawn for all experts from one seed and sliced, so every world size builds the s
 from __future__ import annotations
 
 import contextlib
+import importlib
 from collections.abc import Iterator
 
 import torch
@@ -20,6 +21,8 @@ from ..exchange.transport import Transport
 from ..grouped.fp8_rowwise import Fp8Weights, fp8_rowwise_weights
 from ..grouped.grouped_mm import PRECISIONS, grouped_mm
 from .dispatch import combine, dispatch
+
+grouped_mm_module = importlib.import_module("mxfp8_a2a.grouped.grouped_mm")  # not the function
 
 
 def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,7 +80,7 @@ class ExpertParallelMoE(torch.nn.Module):
         self.router = torch.nn.Parameter(full["router"])
         self.w1 = torch.nn.Parameter(full["w1"][local].clone())
         self.w2 = torch.nn.Parameter(full["w2"][local].clone())
-        self._fp8_weights: dict[str, tuple[tuple, Fp8Weights]] | None = None  # fp8_weight_reuse
+        self._fp8_weights: dict[tuple, tuple[tuple, Fp8Weights]] | None = None  # fp8_weight_reuse
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(x @ self.router.to(x.dtype), self.top_k)
@@ -102,7 +105,10 @@ class ExpertParallelMoE(torch.nn.Module):
         ends) instead of casting them again in every forward and backward. The results are
         the same bits. Step the optimizer after the block: a weight changed in place inside
         it raises ValueError at its next use (seen through its version counter, where torch
-        has one). No effect with precision="bf16" or under torch.compile.
+        has one; writes that bypass it, such as ``w.data.mul_()``, are not seen and leave the
+        casts stale). Casts of each activation dtype are kept apart. No effect with
+        precision="bf16", where the plain-torch reference runs (CPU, or torch without
+        _scaled_grouped_mm), under torch.compile or under torch.inference_mode.
 
             with layer.fp8_weight_reuse():
                 for batch in micro_batches:
@@ -119,19 +125,22 @@ class ExpertParallelMoE(torch.nn.Module):
 
     def _reused(self, name: str, w: torch.Tensor) -> Fp8Weights | None:
         """The block's FP8 casts of parameter ``name`` (w: it in the activations' dtype)."""
-        if self._fp8_weights is None or self.precision != "fp8_rowwise":
+        if torch.compiler.is_compiling():  # first: no guard on the block's state
             return None
-        if torch.compiler.is_compiling():
+        if self._fp8_weights is None or torch.is_inference_mode_enabled():
+            return None  # (casts made in inference mode could not be saved for backward)
+        if grouped_mm_module.gemm_path(w, self.precision) != "scaled":
             return None
         param = getattr(self, name)
-        key = (param.data_ptr(), w.dtype, w.device)
-        version = getattr(param, "_version", None)  # torch's in-place counter (not public API)
-        if name not in self._fp8_weights:
-            self._fp8_weights[name] = (key, version), fp8_rowwise_weights(w)
-        (seen_key, seen_version), fp8 = self._fp8_weights[name]
-        if seen_key != key or seen_version != version:
+        # torch's in-place counter (not public API; without it, only storage changes show)
+        seen = (param.data_ptr(), getattr(param, "_version", None))
+        key = (name, w.dtype, w.device)
+        if key not in self._fp8_weights:
+            self._fp8_weights[key] = seen, fp8_rowwise_weights(w)
+        was, fp8 = self._fp8_weights[key]
+        if was != seen:
             raise ValueError(
-                f"ExpertParallelMoE: {name} changed (in place, or its storage or dtype) inside "
+                f"ExpertParallelMoE: {name} changed (in place, or its storage) inside "
                 f"fp8_weight_reuse(), so its FP8 casts would be stale; step the optimizer after "
                 f"the block, not inside it"
             )
