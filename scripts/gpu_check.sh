@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # On a GPU machine: GPU tests, tuning sweeps and benchmarks, logs in OUTDIR.
-#   [TESTS='tests/test_a2a.py ...'] scripts/gpu_check.sh OUTDIR [tests|tune|bench|cast|pergroup|host|all]...
+#   [TESTS='tests/test_a2a.py ...'] scripts/gpu_check.sh OUTDIR [tests|tune|bench|cast|pergroup|grouped|host|all]...
 # bench: the whole suite (scripts/run_benchmarks.sh); cast, pergroup: the one-GPU parts
-# (pergroup adds the per-group tiling sweep); host: host time per exchange call.
+# (pergroup adds the per-group tiling sweep); grouped: grouped_mm's GPU tests, the MoE layer
+# benchmark (one rank) and the FP8 experts piece by piece; host: host time per exchange call.
 set -uo pipefail
 out=${1:?usage: scripts/gpu_check.sh OUTDIR [stage...]}
 shift
@@ -30,6 +31,14 @@ if has pergroup; then
   timeout 150 python3 "$here/benchmarks/bench_per_group_scales.py" --json "$out/per_group.json" 2>&1 | tee "$out/per_group.txt"
   timeout 300 python3 "$here/scripts/tune_per_group.py" --json "$out/tune_per_group.json" > "$out/tune_per_group.txt" 2>&1
   tail -5 "$out/tune_per_group.txt"
+fi
+if has grouped; then
+  timeout 200 python3 -m pytest -q -rs "$here/tests/test_grouped_mm_gpu.py" 2>&1 | tail -15 | tee "$out/grouped_tests.txt"
+  timeout 120 torchrun --nproc-per-node=1 "$here/benchmarks/bench_moe_layer.py" --iters 10 --warmup 3 \
+    --json "$out/moe_layer.json" 2>&1 | grep -v '^W1' | tee "$out/moe_layer.txt"
+  timeout 90 python3 "$here/scripts/profile_grouped_mm.py" --json "$out/grouped_mm_pieces.json" \
+    > "$out/grouped_mm_pieces.txt" 2>&1
+  grep -E "experts|per column|padded" "$out/grouped_mm_pieces.txt"
 fi
 if has host; then
   # host time per exchange call (one rank per GPU), the cached launch and the public one
