@@ -47,11 +47,11 @@ from mxfp8_a2a.moe.layer import ExpertParallelMoE, route
 
 GPU_SHAPES = ["4096x7168x8x32x2048", "8192x2048x8x16x768"]
 CPU_SHAPES = ["64x128x2x4x64"]
-VARIANTS = {  # name: (exchange, experts)
-    "bf16 + loop": ("bf16", "loop"),
-    "bf16 + grouped bf16": ("bf16", "bf16"),
-    "mxfp8 + fp8_rowwise": ("mxfp8", "fp8_rowwise"),
-    "mxfp8 + fp8_rowwise, weights reused": ("mxfp8", "fp8_rowwise_reuse"),
+VARIANTS = {  # name: (exchange, experts, inside layer.fp8_weight_reuse())
+    "bf16 + loop": ("bf16", "loop", False),
+    "bf16 + grouped bf16": ("bf16", "bf16", False),
+    "mxfp8 + fp8_rowwise": ("mxfp8", "fp8_rowwise", False),
+    "mxfp8 + fp8_rowwise, weights reused": ("mxfp8", "fp8_rowwise", True),
 }
 MARKS = ("start", "dispatch", "experts", "combine", "combine_bwd", "experts_bwd", "end")
 PHASES = ("total", "fwd", "bwd", "dispatch", "experts", "combine")
@@ -134,7 +134,7 @@ def step(layer, x, grad, exchange: str, experts: str, clock) -> tuple[torch.Tens
     """One forward + backward of the layer's steps, marking the phase boundaries."""
     layer.exchange = exchange
     if experts != "loop":
-        layer.precision = experts.removesuffix("_reuse")
+        layer.precision = experts
     clock("start")
     weights, ids = route(x @ layer.router.to(x.dtype), layer.top_k)
     ex, counts, handle = dispatch(x, ids, layer.num_experts, layer.group, exchange=exchange)
@@ -186,15 +186,16 @@ def bench_shape(text, variants, iters, warmup, device) -> list[dict]:
     grad = torch.randn(tokens, hidden, device=device, generator=g, dtype=torch.bfloat16)
     rows, first = [], None
     for name in variants:
-        exchange, kind = VARIANTS[name]
+        exchange, kind, reuse = VARIANTS[name]
         layer.zero_grad(set_to_none=True)
         x.grad = None
-        reuse = layer.fp8_weight_reuse() if kind.endswith("_reuse") else contextlib.nullcontext()
-        with reuse:  # its weights are cast in this first, untimed step
+        block = layer.fp8_weight_reuse() if reuse else contextlib.nullcontext()
+        with block:  # (reuse: the weights are cast in this first, untimed step)
             out, gx = step(layer, x, grad, exchange, kind, Clock(False))
             first = first or (out, gx.clone())
             res = time_variant(layer, x, grad, exchange, kind, iters, warmup, cuda)
         res |= {"shape": text, "variant": name, "exchange": exchange, "experts_gemm": kind}
+        res |= {"fp8_weight_reuse": reuse}
         res |= {"sqnr_out_db": sqnr_db(first[0], out), "sqnr_grad_x_db": sqnr_db(first[1], gx)}
         rows.append(res)
     del layer
