@@ -72,8 +72,8 @@ COPY_ENGINE_MAX_RANGES = 2
 # programs) against 107 us with 128-row tiles (1536 programs), hence ``min_programs``.
 # Replaced: the chunk kernel (one launch, each tile read twice by programs a lag of tickets
 # apart, the second read meant to hit L2): 223-300 us in the same layouts at its best tiling
-# of nine, 1.4-1.8 TB/s, faster on its own but unable to write the padded and per-expert
-# layouts the grouped GEMMs need (their copies cost more than the difference).
+# of nine, 1.4-1.8 TB/s, and unable to write the padded and per-expert layouts the grouped
+# GEMMs need.
 
 
 class RowBlockTiling(NamedTuple):
