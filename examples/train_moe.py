@@ -12,6 +12,9 @@ experts' grouped GEMMs (fp8_rowwise: FP8 on sm_90+ GPUs, its plain-torch referen
 --dtype the activations' dtype (parameters and the optimizer stay fp32; the loss is taken
 in fp32). NCCL on GPUs, gloo on CPU. Prints the loss (mean over ranks) as it goes and, last,
 ``final loss: <value>``, the mean over the last tenth of the steps; --json writes the curve.
+Before that it prints the trained model's loss on held-out tokens twice: with the run's own
+exchange and precision, and with a bf16 exchange and bf16 experts (the trained weights'
+quality without the FP8 forward's rounding noise).
 """
 
 from __future__ import annotations
@@ -70,6 +73,14 @@ def teacher(x: torch.Tensor, seed: int, out: int) -> torch.Tensor:
     return torch.tanh(x @ w1) @ w2
 
 
+@torch.no_grad()
+def evaluate(model: TinyMoE, x: torch.Tensor, target: torch.Tensor, args, world: int) -> float:
+    """The MSE on held-out tokens, mean over ranks."""
+    loss = torch.nn.functional.mse_loss(model(x.to(DTYPES[args.dtype])).float(), target)
+    dist.all_reduce(loss)
+    return loss.item() / world
+
+
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -94,6 +105,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--eval-tokens", type=int, default=8192, help="held-out tokens per rank")
     p.add_argument("--json", help="write the loss curve here (rank 0)")
     args = p.parse_args()
 
@@ -125,10 +137,19 @@ def main() -> None:
                 f"step {step:5d}  loss {mean:.6f}  ({time.perf_counter() - start:.1f} s)",
                 flush=True,
             )
+    held_out = torch.Generator().manual_seed(10**6 + rank)  # the same tokens in every run
+    x = torch.randn(args.eval_tokens, args.hidden, generator=held_out).to(device)
+    evals = {"own": evaluate(model, x, teacher(x, args.seed, args.out), args, world)}
+    for layer in model.layers:
+        layer.exchange, layer.precision = "bf16", "bf16"
+    evals["bf16"] = evaluate(model, x, teacher(x, args.seed, args.out), args, world)
     if rank == 0:
+        print(f"eval loss ({args.exchange} exchange, {args.precision} experts): {evals['own']:.6f}")
+        print(f"eval loss (bf16 exchange, bf16 experts): {evals['bf16']:.6f}")
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"args": vars(args), "world_size": world, "loss": curve}, f)
+                record = {"args": vars(args), "world_size": world, "loss": curve, "eval": evals}
+                json.dump(record, f)
         tail = curve[-max(1, len(curve) // 10) :]  # one step's batch is noise at small losses
         print(f"final loss: {sum(tail) / len(tail):.6f}", flush=True)
     for layer in model.layers:  # a CopyEngineTransport owns symmetric memory: free it
