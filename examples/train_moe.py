@@ -12,9 +12,9 @@ experts' grouped GEMMs (fp8_rowwise: FP8 on sm_90+ GPUs, its plain-torch referen
 --dtype the activations' dtype (parameters and the optimizer stay fp32; the loss is taken
 in fp32). NCCL on GPUs, gloo on CPU. Prints the loss (mean over ranks) as it goes and, last,
 ``final loss: <value>``, the mean over the last tenth of the steps; --json writes the curve.
-Before that it prints the trained model's loss on held-out tokens twice: with the run's own
-exchange and precision, and with a bf16 exchange and bf16 experts (the trained weights'
-quality without the FP8 forward's rounding noise).
+Before that it prints the loss on held-out tokens (the same in every run), averaged over those
+steps, twice: with the run's own exchange and precision, and with bf16 exchanges and experts
+(the trained weights' quality without the FP8 forward's rounding noise).
 """
 
 from __future__ import annotations
@@ -74,11 +74,23 @@ def teacher(x: torch.Tensor, seed: int, out: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(model: TinyMoE, x: torch.Tensor, target: torch.Tensor, args, world: int) -> float:
-    """The MSE on held-out tokens, mean over ranks."""
-    loss = torch.nn.functional.mse_loss(model(x.to(DTYPES[args.dtype])).float(), target)
-    dist.all_reduce(loss)
-    return loss.item() / world
+def evaluate(model: TinyMoE, x: torch.Tensor, target: torch.Tensor, args, world: int) -> dict:
+    """The MSE on held-out tokens (mean over ranks) with the run's exchange and precision
+    ("own") and with bf16 exchanges and experts ("bf16"), the same weights."""
+    losses = {}
+    for name, exchange, precision in (
+        ("own", args.exchange, args.precision),
+        ("bf16", "bf16", "bf16"),
+    ):
+        for layer in model.layers:
+            layer.exchange, layer.precision = exchange, precision
+        pred = model(x.to(DTYPES[args.dtype])).float()
+        loss = torch.nn.functional.mse_loss(pred, target)
+        dist.all_reduce(loss)
+        losses[name] = loss.item() / world
+    for layer in model.layers:
+        layer.exchange, layer.precision = args.exchange, args.precision
+    return losses
 
 
 def main() -> None:
@@ -105,7 +117,9 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--eval-tokens", type=int, default=8192, help="held-out tokens per rank")
+    p.add_argument(
+        "--eval-tokens", type=int, help="held-out tokens per rank (default: 4 * --tokens)"
+    )
     p.add_argument("--json", help="write the loss curve here (rank 0)")
     args = p.parse_args()
 
@@ -115,6 +129,12 @@ def main() -> None:
     replicated = [model.head] + [layer.router for layer in model.layers]
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     data = torch.Generator().manual_seed(args.seed * 7919 + rank)
+    held_out = torch.Generator().manual_seed(10**6 + rank)  # the same tokens in every run
+    n_eval = args.eval_tokens or 4 * args.tokens
+    x_eval = torch.randn(n_eval, args.hidden, generator=held_out).to(device)
+    y_eval = teacher(x_eval, args.seed, args.out)
+    tail_steps = max(1, args.steps // 10)  # one step's batch is noise at small losses
+    evals = {"own": 0.0, "bf16": 0.0}
     curve, start = [], time.perf_counter()
     for step in range(1, args.steps + 1):
         x = torch.randn(args.tokens, args.hidden, generator=data).to(device)
@@ -132,17 +152,14 @@ def main() -> None:
         dist.all_reduce(mean)
         mean = mean.item() / world
         curve.append(mean)
+        if step > args.steps - tail_steps:
+            for name, value in evaluate(model, x_eval, y_eval, args, world).items():
+                evals[name] += value / tail_steps
         if rank == 0 and (step % args.log_every == 0 or step == 1):
             print(
                 f"step {step:5d}  loss {mean:.6f}  ({time.perf_counter() - start:.1f} s)",
                 flush=True,
             )
-    held_out = torch.Generator().manual_seed(10**6 + rank)  # the same tokens in every run
-    x = torch.randn(args.eval_tokens, args.hidden, generator=held_out).to(device)
-    evals = {"own": evaluate(model, x, teacher(x, args.seed, args.out), args, world)}
-    for layer in model.layers:
-        layer.exchange, layer.precision = "bf16", "bf16"
-    evals["bf16"] = evaluate(model, x, teacher(x, args.seed, args.out), args, world)
     if rank == 0:
         print(f"eval loss ({args.exchange} exchange, {args.precision} experts): {evals['own']:.6f}")
         print(f"eval loss (bf16 exchange, bf16 experts): {evals['bf16']:.6f}")
@@ -150,7 +167,7 @@ def main() -> None:
             with open(args.json, "w") as f:
                 record = {"args": vars(args), "world_size": world, "loss": curve, "eval": evals}
                 json.dump(record, f)
-        tail = curve[-max(1, len(curve) // 10) :]  # one step's batch is noise at small losses
+        tail = curve[-tail_steps:]
         print(f"final loss: {sum(tail) / len(tail):.6f}", flush=True)
     for layer in model.layers:  # a CopyEngineTransport owns symmetric memory: free it
         if isinstance(layer.transport, mx.CopyEngineTransport):
