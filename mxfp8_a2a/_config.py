@@ -96,6 +96,9 @@ class ColwiseTiling(NamedTuple):
     sub: int
     num_warps: int
     min_programs: int = 0  # tiles shrink (rows halved, to 4 * sub) until a launch has this many
+    maxnreg: int = 0  # registers per thread at most, both launches; 0: the compiler's choice
+    amax_stages: int = 0  # loads in flight per program (tl.range num_stages); 0: one at a time
+    cast_stages: int = 0
 
 
 ROWWISE_TILING = RowBlockTiling(

@@ -2,7 +2,7 @@
 
     python scripts/tune_per_group.py [--kind rowwise|colwise|both] [--json out.json]
         [--rowwise TILE,ITEM,MAX_CLASS,WARPS[,MAXNREG]]...
-        [--colwise BO,AMAX_ROWS,CAST_ROWS,SUB,WARPS]...
+        [--colwise BO,AMAX_ROWS,CAST_ROWS,SUB,WARPS[,MIN_PROGS[,MAXNREG[,STAGES[,STAGES]]]]]...
 
 x (16640, 8192) bf16, 1/16/64 jagged groups (end offsets multiples of 16), validate=False;
 prints microseconds and effective GB/s (3 bytes per element) for each tiling tried:
@@ -55,7 +55,11 @@ def main() -> None:
     p.add_argument("--json")
     p.add_argument("--kind", choices=["rowwise", "colwise", "both"], default="both")
     p.add_argument("--rowwise", action="append", metavar="TILE,ITEM,MAX_CLASS,WARPS[,MAXNREG]")
-    p.add_argument("--colwise", action="append", metavar="BO,AMAX_ROWS,CAST_ROWS,SUB,WARPS")
+    p.add_argument(
+        "--colwise",
+        action="append",
+        metavar="BO,AMAX_ROWS,CAST_ROWS,SUB,WARPS[,MIN_PROGS[,MAXNREG[,STAGES[,STAGES]]]]",
+    )
     p.add_argument("--groups", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--rounds", type=int, default=1, help="times through the list, interleaved")
     p.add_argument(

@@ -95,13 +95,14 @@ def _batch_table(ptr, b, n_groups, n_other, INT64: tl.constexpr):
 def _amax_span(
     x_ptr, o, omask, i0, i1, sxo, sxg,
     SOFT: tl.constexpr, INT64: tl.constexpr, BO: tl.constexpr, SUB: tl.constexpr,
+    STAGES: tl.constexpr,
 ):  # fmt: skip
     """amax bits [BO] of group-axis indices [i0, i1), SUB at a time: an elementwise max over
     the [BO, SUB] tiles, reduced across SUB once at the end (a reduction per tile crossed
     warps through shared memory every iteration and bounded the kernel, ncu: L1 94% busy,
-    DRAM 33%)."""
+    DRAM 33%). STAGES: loads in flight (software pipelining; None: one at a time)."""
     amax = tl.zeros((BO, SUB), dtype=tl.int32)
-    for r in range(i0 // SUB * SUB, i1, SUB):
+    for r in tl.range(i0 // SUB * SUB, i1, SUB, num_stages=STAGES):
         i = r + tl.arange(0, SUB)
         mask = omask[:, None] & ((i >= i0) & (i < i1))[None, :]
         x = tl.load(x_ptr + _offsets(o, i, sxo, sxg, INT64), mask=mask, other=0.0)
@@ -111,10 +112,11 @@ def _amax_span(
 
 @triton.jit
 def _cast_span(x_ptr, data_ptr, o, omask, j0, j1, held_end, src, scale, sxo, sxg, sdo, sdg,
-               SOFT: tl.constexpr, INT64: tl.constexpr, SUB: tl.constexpr):  # fmt: skip
+               SOFT: tl.constexpr, INT64: tl.constexpr, SUB: tl.constexpr,
+               STAGES: tl.constexpr):  # fmt: skip
     """Destination indices [j0, j1), SUB at a time: e4m3 of x[j + src] * scale below
-    held_end, zeros from there."""
-    for jr in range(j0 // SUB * SUB, j1, SUB):
+    held_end, zeros from there. STAGES as in _amax_span."""
+    for jr in tl.range(j0 // SUB * SUB, j1, SUB, num_stages=STAGES):
         j = jr + tl.arange(0, SUB)
         inside = (j >= j0) & (j < j1)
         held = inside & (j < held_end)
@@ -134,7 +136,7 @@ def _cast_span(x_ptr, data_ptr, o, omask, j0, j1, held_end, src, scale, sxo, sxg
 def _amax_kernel(
     x_ptr, offs_ptr, ws_ptr, n_other, extent, n_groups, sxb, sxo, sxg, n_strips,
     SOFT: tl.constexpr, INT64: tl.constexpr, BO: tl.constexpr, BL: tl.constexpr,
-    SUB: tl.constexpr, BG: tl.constexpr, ALIGN: tl.constexpr,
+    SUB: tl.constexpr, BG: tl.constexpr, ALIGN: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     """ws: int32 [batch, n_groups, n_other], zeroed: max of the amax bits of every tile.
     Grid: (cdiv(extent, BL) * n_strips, batch); neighbouring programs read neighbouring
@@ -155,9 +157,9 @@ def _amax_kernel(
         i1 = tl.minimum(_pick(gi, ends, g), hi)
         if (i0 % ALIGN == 0) & (i1 % ALIGN == 0):  # the same bounds, their alignment visible
             amax = _amax_span(x_ptr, o, omask, i0 // ALIGN * ALIGN, i1 // ALIGN * ALIGN,
-                              sxo, sxg, SOFT, INT64, BO, SUB)  # fmt: skip
+                              sxo, sxg, SOFT, INT64, BO, SUB, STAGES)  # fmt: skip
         else:
-            amax = _amax_span(x_ptr, o, omask, i0, i1, sxo, sxg, SOFT, INT64, BO, SUB)
+            amax = _amax_span(x_ptr, o, omask, i0, i1, sxo, sxg, SOFT, INT64, BO, SUB, STAGES)
         row = tl.cast(g, tl.int64) * n_other if INT64 else g * n_other
         # (masks compare with a scalar bound: a scalar & a tensor trips the interpreter)
         tl.atomic_max(ws_ptr + row + o, amax, mask=o < tl.where(i1 > i0, n_other, 0), sem="relaxed")
@@ -169,7 +171,7 @@ def _cast_kernel(
     dest_extent, sxb, sxo, sxg, sdb, sdo, sdg, n_strips, n_chunks,
     ROUND_POW2: tl.constexpr, SOFT: tl.constexpr, INT64: tl.constexpr, PAD: tl.constexpr,
     BO: tl.constexpr, BL: tl.constexpr, SUB: tl.constexpr, BG: tl.constexpr,
-    ALIGN: tl.constexpr,
+    ALIGN: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     """data: uint8 e4m3 bits [batch, other, dest_extent] through strides (sdb, sdo, sdg), every
     index written; scale: fp32 [batch, n_groups, n_other]; ws: the amax kernel's workspace;
@@ -211,7 +213,8 @@ def _cast_kernel(
         j1 = tl.minimum(_pick(gi, r, g), hi)
         if (j0 % ALIGN == 0) & (j1 % ALIGN == 0):  # the same bounds, their alignment visible
             _cast_span(x_ptr, data_ptr, o, omask, j0 // ALIGN * ALIGN, j1 // ALIGN * ALIGN,
-                       pg + rows, src, scale, sxo, sxg, sdo, sdg, SOFT, INT64, SUB)  # fmt: skip
+                       pg + rows, src, scale, sxo, sxg, sdo, sdg, SOFT, INT64, SUB,
+                       STAGES)  # fmt: skip
         else:
             _cast_span(x_ptr, data_ptr, o, omask, j0, j1, pg + rows, src, scale,
-                       sxo, sxg, sdo, sdg, SOFT, INT64, SUB)  # fmt: skip
+                       sxo, sxg, sdo, sdg, SOFT, INT64, SUB, STAGES)  # fmt: skip

@@ -118,12 +118,13 @@ def _colwise(
     int64 = max(_extent(x), _extent(data), ws.numel()) >= INT64_FROM
     n_strips = max(1, triton.cdiv(n_other, c.block_other))
     common = dict(SOFT=soft, INT64=int64, BO=c.block_other, SUB=c.sub,
-                  BG=max(2, triton.next_power_of_2(g)), num_warps=c.num_warps)  # fmt: skip
+                  BG=max(2, triton.next_power_of_2(g)), num_warps=c.num_warps,
+                  **({"maxnreg": c.maxnreg} if c.maxnreg and not soft else {}))  # fmt: skip
     if extent and n_other:
         rows = _colwise_rows(c, c.amax_rows, extent, n_strips * batch)
         _amax_kernel[(triton.cdiv(extent, rows) * n_strips, batch)](
             x, offs, ws, n_other, extent, g, x.stride(0), x.stride(2), x.stride(1), n_strips,
-            BL=rows, ALIGN=16 if x.stride(1) == 1 else 1, **common,
+            BL=rows, ALIGN=16 if x.stride(1) == 1 else 1, STAGES=c.amax_stages or None, **common,
         )  # fmt: skip
     rows = _colwise_rows(c, c.cast_rows, dest_extent, n_strips * batch)
     n_chunks = triton.cdiv(dest_extent, rows)
@@ -131,7 +132,7 @@ def _colwise(
         x, offs, ws, scales, data, ws if pad is None else pad, n_other, extent, g, dest_extent,
         x.stride(0), x.stride(2), x.stride(1), data.stride(0), data.stride(2), data.stride(1),
         n_strips, n_chunks, ROUND_POW2=pow2, PAD=pad is not None, BL=rows,
-        ALIGN=16 if data.stride(1) == 1 else 1, **common,
+        ALIGN=16 if data.stride(1) == 1 else 1, STAGES=c.cast_stages or None, **common,
     )  # fmt: skip
     return scales
 
