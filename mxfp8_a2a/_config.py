@@ -64,12 +64,19 @@ COPY_ENGINE_MAX_RANGES = 2
 # tiles of ``block_other`` x ``cast_rows`` of the destination, both ``sub`` rows at a time.
 # Values: the best of 8 tried by scripts/tune_per_group.py --kind colwise on an H200
 # (2026-12-01, torch 2.11, triton 3.6), (16640, 8192) bf16 at 1/16/64 groups: 239/246/273 us
-# with column-major data, 226/229/247 us row-major (1.5-1.8 TB/s effective), against
-# 256/277/312 and 239/257/281 us for the former (128, 128, 64, 32, 4). Longer amax tiles
-# (256 -> 512 rows) help most; sub 16 or 64, 8 warps and 64- or 256-wide strips were slower
-# (benchmarks/results/2026-12-01/tune_colwise.txt). Those tiles starve small launches: the
-# 8192x2048x8x16x768 experts' weights [16, 2048, 768] per column took 243 us with them (384
-# programs) against 107 us with 128-row tiles (1536 programs), hence ``min_programs``.
+# with column-major data, 226/229/247 us row-major, against 256/277/312 and 239/257/281 us for
+# the former (128, 128, 64, 32, 4). Longer amax tiles (256 -> 512 rows) help most; sub 16 or
+# 64, 8 warps and 64- or 256-wide strips were slower (benchmarks/results/2026-12-01/
+# tune_colwise.txt). Those tiles starve small launches: the 8192x2048x8x16x768 experts'
+# weights [16, 2048, 768] per column took 243 us with them (384 programs) against 107 us with
+# 128-row tiles (1536 programs), hence ``min_programs``. Then software pipelining: Triton
+# pipelines only loads that feed a dot unless the loop asks (tl.range num_stages), so both
+# launches had one load in flight per program. 3 stages in both, the best of 7 (3 interleaved
+# rounds, the fastest of each; tune_colwise_stages*.txt): 191/203/230 us column-major and
+# 181/185/203 us row-major (2.0-2.3 TB/s effective), against 239/243/270 and 225/230/247 for
+# none in the same run; 2 or 4 stages, or in one launch only, in between; a 64- or 80-register
+# cap slower. (Single timings of the same call on this machine vary by up to 1.8x over
+# minutes, hence rounds: benchmarks/results/2026-12-01/alloc_probe.txt.)
 # Replaced: the chunk kernel (one launch, each tile read twice by programs a lag of tickets
 # apart, the second read meant to hit L2): 223-300 us in the same layouts at its best tiling
 # of nine, 1.4-1.8 TB/s, and unable to write the padded and per-expert layouts the grouped
@@ -105,8 +112,9 @@ ROWWISE_TILING = RowBlockTiling(
     tile=4096, item=8192, min_group=32, max_class=512, num_warps=4, maxnreg=64
 )  # fmt: skip
 COLWISE_TILING = ColwiseTiling(
-    block_other=128, amax_rows=512, cast_rows=128, sub=32, num_warps=4, min_programs=2048
-)
+    block_other=128, amax_rows=512, cast_rows=128, sub=32, num_warps=4, min_programs=2048,
+    amax_stages=3, cast_stages=3,
+)  # fmt: skip
 # The interpreter (CPU tests): few classes, so that tests of a few hundred rows run every
 # class and the loop; small colwise tiles, so that they run several strips and chunks.
 INTERPRET_ROWWISE_TILING = RowBlockTiling(1024, 1024, 16, 128, 4)

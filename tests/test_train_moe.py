@@ -1,7 +1,8 @@
 """examples/train_moe.py under torchrun. On CPU/gloo: 2 ranks, 60 steps, under a minute each;
 the MXFP8-exchange run and the MXFP8 + fp8_rowwise run (the experts' plain-torch FP8
 reference) end within 2% of the plain run's loss. On an sm_90+ GPU: MXFP8 exchange +
-fp8_rowwise experts against bf16 everything, bf16 activations, within 2%:
+fp8_rowwise experts against bf16 everything, bf16 activations, within 2% (the training loss,
+an expected failure, and the held-out loss of the trained weights through bf16 layers):
 
     python -m pytest -q tests/test_train_moe.py -k gpu
 """
@@ -29,7 +30,8 @@ GPU_ARGS = (
 @functools.cache
 def _final_loss(
     exchange: str, precision: str = "bf16", gpu: bool = False, extra: tuple[str, ...] = ()
-) -> tuple[float, float]:
+) -> tuple[float, float, dict[str, float]]:
+    """(final training loss, seconds, held-out losses {"own", "bf16"}) of one run."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     ranks = min(2, torch.cuda.device_count()) if gpu else 2
     if not gpu:
@@ -46,9 +48,11 @@ def _final_loss(
     )
     elapsed = time.perf_counter() - start
     assert proc.returncode == 0, proc.stderr[-3000:]
-    last = proc.stdout.strip().splitlines()[-1]
-    assert last.startswith("final loss: "), proc.stdout[-2000:]
-    return float(last.removeprefix("final loss: ")), elapsed
+    lines = proc.stdout.strip().splitlines()
+    assert lines[-1].startswith("final loss: "), proc.stdout[-2000:]
+    assert lines[-3].startswith("eval loss (") and lines[-2].startswith("eval loss (bf16"), lines
+    evals = {"own": float(lines[-3].split(": ")[-1]), "bf16": float(lines[-2].split(": ")[-1])}
+    return float(lines[-1].removeprefix("final loss: ")), elapsed, evals
 
 
 cpu_only = pytest.mark.skipif(
@@ -58,16 +62,16 @@ cpu_only = pytest.mark.skipif(
 
 @cpu_only
 def test_mxfp8_training_tracks_bf16():
-    bf16, t_bf16 = _final_loss("bf16")
-    mxfp8, t_mxfp8 = _final_loss("mxfp8")
+    bf16, t_bf16, _ = _final_loss("bf16")
+    mxfp8, t_mxfp8, _ = _final_loss("mxfp8")
     assert abs(mxfp8 - bf16) <= 0.02 * bf16, (bf16, mxfp8)
     assert max(t_bf16, t_mxfp8) < 60, (t_bf16, t_mxfp8)
 
 
 @cpu_only
 def test_fp8_rowwise_reference_training_tracks_bf16():
-    bf16, _ = _final_loss("bf16")
-    fp8, t_fp8 = _final_loss("mxfp8", "fp8_rowwise")
+    bf16, _, _ = _final_loss("bf16")
+    fp8, t_fp8, _ = _final_loss("mxfp8", "fp8_rowwise")
     assert abs(fp8 - bf16) <= 0.02 * bf16, (bf16, fp8)
     assert t_fp8 < 60, t_fp8
 
@@ -77,10 +81,22 @@ def test_fp8_rowwise_reference_training_tracks_bf16():
     strict=False,
     reason="2% is the target, not yet met: on an H200 (1 rank, 2026-12-01) seeds 0-4 ended "
     "+2.9/+1.2/+2.6/+2.5/+1.6% above bf16 (mean 2.1%), the bf16 loss itself spread 4% over "
-    "those seeds; most of the gap is the FP8 forward's noise added to the MSE",
+    "those seeds; the gap is the FP8 forward's rounding noise added to the MSE: the same "
+    "runs' weights through bf16 layers score -0.3% (mean; within 1% each) on held-out tokens",
 )
 def test_gpu_mxfp8_fp8_rowwise_training_tracks_bf16():
-    bf16, _ = _final_loss("bf16", "bf16", True, GPU_ARGS)
-    fp8, _ = _final_loss("mxfp8", "fp8_rowwise", True, GPU_ARGS)
+    bf16, _, _ = _final_loss("bf16", "bf16", True, GPU_ARGS)
+    fp8, _, _ = _final_loss("mxfp8", "fp8_rowwise", True, GPU_ARGS)
     print(f"final loss: bf16 {bf16:.6f}, mxfp8 + fp8_rowwise {fp8:.6f}")
     assert abs(fp8 - bf16) <= 0.02 * bf16, (bf16, fp8)
+
+
+@pytest.mark.skipif(not SM90, reason="fp8_rowwise needs an sm_90+ GPU")
+def test_gpu_fp8_trained_weights_match_bf16():
+    """The weights that MXFP8 exchanges and fp8_rowwise experts train, run through bf16
+    exchanges and experts, score within 2% of the bf16 run's on held-out tokens: the FP8
+    steps train as well as bf16 ones; what the FP8 forward adds is its rounding noise."""
+    _, _, bf16 = _final_loss("bf16", "bf16", True, GPU_ARGS)
+    _, _, fp8 = _final_loss("mxfp8", "fp8_rowwise", True, GPU_ARGS)
+    print(f"held-out loss: bf16 {bf16['bf16']:.6f}, FP8-trained {fp8}")
+    assert abs(fp8["bf16"] - bf16["bf16"]) <= 0.02 * bf16["bf16"], (bf16, fp8)
