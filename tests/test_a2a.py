@@ -11,18 +11,8 @@ import random
 
 import pytest
 import torch
-from a2a_workers import (
-    bad_input,
-    compiled,
-    edge_cases,
-    exact_forward_backward,
-    exact_large,
-    graph_capture,
-    memory_flat,
-    repeated_calls,
-    routing,
-    sqnr_vs_bf16,
-)
+from a2a_call_workers import bad_input, compiled, edge_cases, graph_capture, memory_flat
+from a2a_workers import exact_forward_backward, exact_large, repeated_calls, routing, sqnr_vs_bf16
 from dist_utils import BACKENDS, run_distributed
 
 import mxfp8_a2a as mx
