@@ -3,7 +3,8 @@ the PTX holds.
 
 Run as a script (the kernels must be decorated without TRITON_INTERPRET). Prints one JSON
 line per build: {"kernel", "cap", "variant", "ue8m0": bool, "e4m3_cvt": bool}, plus
-"v4_loads": bool (16-byte loads) and "maxnreg": int (the PTX register cap, 0 if none) for
+"v4_loads": bool (16-byte loads: ld.global.v4, or cp.async of 16 bytes where a loop is
+software-pipelined) and "maxnreg": int (the PTX register cap, 0 if none) for
 the per-group kernels.
 """
 
@@ -30,6 +31,7 @@ DEQUANT_SIG = dict.fromkeys(GAP + ["stride_dm", "stride_sm", "stride_om"], I32)
 ROUNDTRIP_SIG = dict.fromkeys(GAP[:2] + ["stride_xm", "stride_xk", "stride_om"], I32)
 
 
+CP_ASYNC_16 = re.compile(r"cp\.async\.\w+\.shared\.global \[[^]]*\], \[[^]]*\], 0x10")
 PER_GROUP_ARGS = ["x_ptr", "offs_ptr", "scale_ptr", "data_ptr", "n_other", "extent"]
 PER_GROUP_ARGS += ["n_groups", "sxo", "sxg", "sdo", "sdg"]
 
@@ -67,7 +69,8 @@ def per_group_builds(cap):
     names = ["x_ptr", "offs_ptr", "ws_ptr", "n_other", "extent", "n_groups", "sxb", "sxo", "sxg"]
     sig = dict.fromkeys(names + ["n_strips"], I32)
     sig.update(x_ptr="*bf16", offs_ptr="*i32", ws_ptr="*i32")
-    consts = {"sxo": 1, "BL": col.amax_rows, "ALIGN": 1, **common}
+    consts = {"sxo": 1, "BL": col.amax_rows, "ALIGN": 1, "STAGES": col.amax_stages or None}
+    consts |= common
     aligned = ["x_ptr", "offs_ptr", "ws_ptr", "n_other", "extent", "sxb", "sxg"]
     ptx = build(_amax_kernel, sig, consts, cap, aligned, col.num_warps)
     yield "per_group_colwise_amax", "bf16", ptx
@@ -78,7 +81,7 @@ def per_group_builds(cap):
     sig.update(data_ptr="*u8", pad_ptr="*i32")
     # the grad_w operand: row-major x, transposed padded data
     consts = {"sxo": 1, "sdg": 1, "ROUND_POW2": True, "PAD": True, "BL": col.cast_rows}
-    consts |= {"ALIGN": 16, **common}
+    consts |= {"ALIGN": 16, "STAGES": col.cast_stages or None, **common}
     aligned = names[:7] + ["dest_extent", "sxb", "sxg", "sdb", "sdo"]
     ptx = build(_cast_kernel, sig, consts, cap, aligned, col.num_warps)
     yield "per_group_colwise_cast", "bf16", ptx
@@ -157,7 +160,7 @@ for cap in (90, 100):
                     "variant": variant,
                     "ue8m0": False,
                     "e4m3_cvt": "e4m3x2" in ptx,
-                    "v4_loads": "ld.global.v4.b32" in ptx,
+                    "v4_loads": "ld.global.v4.b32" in ptx or bool(CP_ASYNC_16.search(ptx)),
                     "maxnreg": int(m.group(1)) if (m := re.search(r"\.maxnreg (\d+)", ptx)) else 0,
                 }
             )
