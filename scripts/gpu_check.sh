@@ -2,8 +2,9 @@
 # On a GPU machine: GPU tests, tuning sweeps and benchmarks, logs in OUTDIR.
 #   [TESTS='tests/test_a2a.py ...'] scripts/gpu_check.sh OUTDIR [tests|tune|bench|cast|pergroup|grouped|host|all]...
 # bench: the whole suite (scripts/run_benchmarks.sh); cast, pergroup: the one-GPU parts
-# (pergroup adds the per-group tiling sweep); grouped: grouped_mm's GPU tests, the MoE layer
-# benchmark (one rank) and the FP8 experts piece by piece; host: host time per exchange call.
+# (pergroup adds the timing-spread probe and the per-group tiling sweep); grouped: grouped_mm's
+# GPU tests, the MoE layer benchmark (one rank), the FP8 experts piece by piece and their
+# colwise pieces per tiling in rounds; host: host time per exchange call.
 set -uo pipefail
 out=${1:?usage: scripts/gpu_check.sh OUTDIR [stage...]}
 shift
@@ -28,6 +29,8 @@ if has cast; then
   timeout 120 python3 "$here/benchmarks/bench_cast.py" --json "$out/cast.json" 2>&1 | tee "$out/cast.txt"
 fi
 if has pergroup; then
+  timeout 80 python3 "$here/scripts/timing_spread.py" --rounds 8 > "$out/timing_spread.txt" 2>&1
+  tail -3 "$out/timing_spread.txt"
   timeout 150 python3 "$here/benchmarks/bench_per_group_scales.py" --json "$out/per_group.json" 2>&1 | tee "$out/per_group.txt"
   timeout 300 python3 "$here/scripts/tune_per_group.py" --json "$out/tune_per_group.json" > "$out/tune_per_group.txt" 2>&1
   tail -5 "$out/tune_per_group.txt"
@@ -39,6 +42,8 @@ if has grouped; then
   timeout 90 python3 "$here/scripts/profile_grouped_mm.py" --json "$out/grouped_mm_pieces.json" \
     > "$out/grouped_mm_pieces.txt" 2>&1
   grep -E "experts|per column|padded" "$out/grouped_mm_pieces.txt"
+  timeout 120 python3 "$here/scripts/compare_colwise_tilings.py" > "$out/compare_colwise.txt" 2>&1
+  tail -14 "$out/compare_colwise.txt"
 fi
 if has host; then
   # host time per exchange call (one rank per GPU), the cached launch and the public one
