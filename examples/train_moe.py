@@ -78,18 +78,23 @@ def evaluate(model: TinyMoE, x: torch.Tensor, target: torch.Tensor, args, world:
     """The MSE on held-out tokens (mean over ranks) with the run's exchange and precision
     ("own") and with bf16 exchanges and experts ("bf16"), the same weights."""
     losses = {}
-    for name, exchange, precision in (
-        ("own", args.exchange, args.precision),
-        ("bf16", "bf16", "bf16"),
-    ):
+    try:
+        for name, exchange, precision in (
+            ("own", args.exchange, args.precision),
+            ("bf16", "bf16", "bf16"),
+        ):
+            if name == "bf16" and (args.exchange, args.precision) == ("bf16", "bf16"):
+                losses[name] = losses["own"]  # the same layers: the same loss
+                continue
+            for layer in model.layers:
+                layer.exchange, layer.precision = exchange, precision
+            pred = model(x.to(DTYPES[args.dtype])).float()
+            loss = torch.nn.functional.mse_loss(pred, target)
+            dist.all_reduce(loss)
+            losses[name] = loss.item() / world
+    finally:
         for layer in model.layers:
-            layer.exchange, layer.precision = exchange, precision
-        pred = model(x.to(DTYPES[args.dtype])).float()
-        loss = torch.nn.functional.mse_loss(pred, target)
-        dist.all_reduce(loss)
-        losses[name] = loss.item() / world
-    for layer in model.layers:
-        layer.exchange, layer.precision = args.exchange, args.precision
+            layer.exchange, layer.precision = args.exchange, args.precision
     return losses
 
 

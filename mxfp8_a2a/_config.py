@@ -72,11 +72,15 @@ COPY_ENGINE_MAX_RANGES = 2
 # 128-row tiles (1536 programs), hence ``min_programs``. Then software pipelining: Triton
 # pipelines only loads that feed a dot unless the loop asks (tl.range num_stages), so both
 # launches had one load in flight per program. 3 stages in both, the best of 7 (3 interleaved
-# rounds, the fastest of each; tune_colwise_stages*.txt): 191/203/230 us column-major and
-# 181/185/203 us row-major (2.0-2.3 TB/s effective), against 239/243/270 and 225/230/247 for
-# none in the same run; 2 or 4 stages, or in one launch only, in between; a 64- or 80-register
-# cap slower. (Single timings of the same call on this machine vary by up to 1.8x over
-# minutes, hence rounds: benchmarks/results/2026-12-01/alloc_probe.txt.)
+# rounds, the fastest of each; tune_colwise_stages_rounds.txt, whose 3/3 rows ran with 1024
+# amax rows: at this shape min_programs halves them to 512, the same launch as this tiling):
+# 191/203/230 us column-major and 181/185/203 us row-major (1.8-2.3 TB/s effective), against
+# 239/243/270 and 225/230/247 for none in the same run; 2/0, 4/0, 3/2 and 2/2 stages in
+# between; a 64- or 80-register cap slower in one noisy round (tune_colwise_stages.txt). At
+# the MoE benchmark's shapes this tiling against none (compare_colwise_stages.txt, 5 rounds):
+# 17-21% faster, except [16, 2048, 768] weights (equal). (Single timings of one call on this
+# machine vary by up to 1.8x between repeats, hence rounds: timing_spread.txt,
+# alloc_probe.txt.)
 # Replaced: the chunk kernel (one launch, each tile read twice by programs a lag of tickets
 # apart, the second read meant to hit L2): 223-300 us in the same layouts at its best tiling
 # of nine, 1.4-1.8 TB/s, and unable to write the padded and per-expert layouts the grouped

@@ -31,7 +31,9 @@ DEQUANT_SIG = dict.fromkeys(GAP + ["stride_dm", "stride_sm", "stride_om"], I32)
 ROUNDTRIP_SIG = dict.fromkeys(GAP[:2] + ["stride_xm", "stride_xk", "stride_om"], I32)
 
 
-CP_ASYNC_16 = re.compile(r"cp\.async\.\w+\.shared\.global \[[^]]*\], \[[^]]*\], 0x10")
+CP_ASYNC_16 = re.compile(
+    r"cp\.async\.(?:ca|cg)\.shared\.global\S*\s*\[[^\]]*\],\s*\[[^\]]*\],\s*(?:0x10|16)\b"
+)
 PER_GROUP_ARGS = ["x_ptr", "offs_ptr", "scale_ptr", "data_ptr", "n_other", "extent"]
 PER_GROUP_ARGS += ["n_groups", "sxo", "sxg", "sdo", "sdg"]
 
@@ -72,7 +74,7 @@ def per_group_builds(cap):
     consts = {"sxo": 1, "BL": col.amax_rows, "ALIGN": 1, "STAGES": col.amax_stages or None}
     consts |= common
     aligned = ["x_ptr", "offs_ptr", "ws_ptr", "n_other", "extent", "sxb", "sxg"]
-    ptx = build(_amax_kernel, sig, consts, cap, aligned, col.num_warps)
+    ptx = build(_amax_kernel, sig, consts, cap, aligned, col.num_warps, col.maxnreg)
     yield "per_group_colwise_amax", "bf16", ptx
     names = ["x_ptr", "offs_ptr", "ws_ptr", "scale_ptr", "data_ptr", "pad_ptr", "n_other"]
     names += ["extent", "n_groups", "dest_extent", "sxb", "sxo", "sxg", "sdb", "sdo", "sdg"]
@@ -83,7 +85,7 @@ def per_group_builds(cap):
     consts = {"sxo": 1, "sdg": 1, "ROUND_POW2": True, "PAD": True, "BL": col.cast_rows}
     consts |= {"ALIGN": 16, "STAGES": col.cast_stages or None, **common}
     aligned = names[:7] + ["dest_extent", "sxb", "sxg", "sdb", "sdo"]
-    ptx = build(_cast_kernel, sig, consts, cap, aligned, col.num_warps)
+    ptx = build(_cast_kernel, sig, consts, cap, aligned, col.num_warps, col.maxnreg)
     yield "per_group_colwise_cast", "bf16", ptx
 
 

@@ -24,8 +24,9 @@ the price of not holding a group's rows on chip between its amax and its cast. S
 bounds are multiples of ALIGN (16 where the group axis is contiguous: x's in the amax pass,
 the data's in the cast) get their own copy of the loop, in which the compiler sees that
 alignment and moves whole vectors along that axis (masked stores vectorize only over a mask
-it can prove constant). Both loops ask for software pipelining (``STAGES`` loads in flight:
-Triton pipelines only loads that feed a dot unless a loop asks).
+it can prove constant). With ``STAGES`` set (the GPU tilings), both loops ask for software
+pipelining, that many loads in flight (Triton pipelines only loads that feed a dot unless a
+loop asks).
 """
 
 from __future__ import annotations
