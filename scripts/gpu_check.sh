@@ -27,6 +27,7 @@ if has tune; then
 fi
 if has cast; then
   timeout 120 python3 "$here/benchmarks/bench_cast.py" --json "$out/cast.json" 2>&1 | tee "$out/cast.txt"
+  timeout 120 python3 "$here/benchmarks/bench_push.py" --json "$out/push.json" 2>&1 | tee "$out/push.txt"
 fi
 if has pergroup; then
   timeout 80 python3 "$here/scripts/timing_spread.py" --rounds 8 > "$out/timing_spread.txt" 2>&1
