@@ -5,7 +5,8 @@ Run as a script (the kernels must be decorated without TRITON_INTERPRET). Prints
 line per build: {"kernel", "cap", "variant", "ue8m0": bool, "e4m3_cvt": bool}, plus
 "v4_loads": bool (16-byte loads: ld.global.v4, or cp.async of 16 bytes where a loop is
 software-pipelined) and "maxnreg": int (the PTX register cap, 0 if none) for
-the per-group kernels.
+the per-group kernels, "v4_stores": bool (16-byte stores of the e4m3 data) for the push
+kernel.
 """
 
 import json
@@ -18,6 +19,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, compile  # noqa: E402
 
 from mxfp8_a2a import _config  # noqa: E402
+from mxfp8_a2a.exchange.push import _push_kernel  # noqa: E402
 from mxfp8_a2a.formats.dequantize import _dequantize_kernel  # noqa: E402
 from mxfp8_a2a.formats.quantize import _quantize_kernel  # noqa: E402
 from mxfp8_a2a.formats.roundtrip import _roundtrip_kernel  # noqa: E402
@@ -34,6 +36,26 @@ ROUNDTRIP_SIG = dict.fromkeys(GAP[:2] + ["stride_xm", "stride_xk", "stride_om"],
 CP_ASYNC_16 = re.compile(
     r"cp\.async\.(?:ca|cg)\.shared\.global\S*\s*\[[^\]]*\],\s*\[[^\]]*\],\s*(?:0x10|16)\b"
 )
+PUSH_SIG = (
+    {"x_ptr": "*bf16"}
+    | dict.fromkeys(["table_ptr", "begin_ptr", "count_ptr", "start_ptr"], "*i64")
+    | dict.fromkeys(
+        [
+            "n_groups",
+            "groups_per_row",
+            "n_dest",
+            "stride_xm",
+            "stride_xk",
+            "row_bytes",
+            "capacity",
+            "k",
+        ],
+        I32,
+    )
+)
+# what a launch specializes as multiples of 16 (K % 32 == 0, wire rows of 16n bytes)
+PUSH_ALIGNED = ["x_ptr", "table_ptr", "begin_ptr", "count_ptr", "start_ptr", "groups_per_row"]
+PUSH_ALIGNED += ["stride_xm", "row_bytes", "k"]
 PER_GROUP_ARGS = ["x_ptr", "offs_ptr", "scale_ptr", "data_ptr", "n_other", "extent"]
 PER_GROUP_ARGS += ["n_groups", "sxo", "sxg", "sdo", "sdg"]
 
@@ -153,6 +175,21 @@ for cap in (90, 100):
                 }
             )
         )
+    push_consts = {"stride_xk": 1, "RCEIL": True, "BLOCK_G": _config.QUANTIZE_BLOCK_G, "BW": 8}
+    push_consts |= {"SOFT": False, "HW_E8M0": cap >= 100}
+    ptx = build(_push_kernel, PUSH_SIG, push_consts, cap, PUSH_ALIGNED, _config.QUANTIZE_NUM_WARPS)
+    print(
+        json.dumps(
+            {
+                "kernel": "push",
+                "cap": cap,
+                "variant": "bf16-rceil",
+                "ue8m0": "cvt.rp.satfinite.ue8m0x2.f32" in ptx,
+                "e4m3_cvt": "e4m3x2" in ptx,
+                "v4_stores": "st.global.v4.b32" in ptx,
+            }
+        )
+    )
     for name, variant, ptx in per_group_builds(cap):
         print(
             json.dumps(

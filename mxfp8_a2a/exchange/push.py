@@ -94,7 +94,8 @@ def _push_kernel(
     x = tl.load(x_ptr + row[:, None] * stride_xm + col * stride_xk, mask=gmask[:, None])
     q, b = mx_quantize_blocks(to_fp32(x, SOFT), RCEIL, HW_E8M0, SOFT)
     base = tl.load(table_ptr + d, mask=ok, other=0).to(tl.pointer_type(tl.uint8))
-    dest = base + dest_row * row_bytes
+    # buffers and wire rows are 16-byte aligned (rows.py): say so, so that stores are vectors
+    dest = tl.multiple_of(base + dest_row * row_bytes, 16)
     tl.store(dest[:, None] + col, q, mask=ok[:, None])
     tl.store(dest + k + cg, b.to(tl.uint8), mask=ok)
 
@@ -125,10 +126,11 @@ def push_rows(
 
     x: bf16/fp32 [M, K] (K % 32 == 0), rows grouped by destination, any strides; table:
     int64 [W], the address of each destination's buffer (uint8 [capacity, wire_row(K)],
-    rows 16-byte aligned); count: int64 [W], this rank's row of the counts matrix; start:
-    int64 [W], its row of receive_plan's start. All on x's device; nothing is read on the
-    host. Rows past sum(count) and rows that would land at or past ``capacity`` are not
-    written. Returns once the kernel is queued on the current stream.
+    16-byte aligned: the kernel stores 16 bytes at a time); count: int64 [W], this rank's
+    row of the counts matrix; start: int64 [W], its row of receive_plan's start. All on
+    x's device; nothing is read on the host. Rows past sum(count) and rows that would land
+    at or past ``capacity`` are not written. Returns once the kernel is queued on the
+    current stream.
     """
     check_scaling_mode(scaling_mode)
     _check_push(x, table, count, start)
