@@ -76,7 +76,8 @@ def teacher(x: torch.Tensor, seed: int, out: int) -> torch.Tensor:
 @torch.no_grad()
 def evaluate(model: TinyMoE, x: torch.Tensor, target: torch.Tensor, args, world: int) -> dict:
     """The MSE on held-out tokens (mean over ranks) with the run's exchange and precision
-    ("own") and with bf16 exchanges and experts ("bf16"), the same weights."""
+    ("own") and with exchange="bf16" and precision="bf16" ("bf16": nothing quantized, in the
+    activations' dtype), the same weights."""
     losses = {}
     try:
         for name, exchange, precision in (
