@@ -11,8 +11,7 @@ import argparse
 import sys
 
 import torch
-from common import do_bench_ms, parse_shape, versions, warm_gpu, write_json
-from tabulate import tabulate
+from common import parse_shape, report, time_ops, warm_gpu
 
 import mxfp8_a2a as mx
 
@@ -37,13 +36,7 @@ def bench_shape(m: int, k: int) -> list[dict]:
         ("dequantize_packed", lambda: mx.dequantize_packed(packed), q_bytes),
         ("torch.compile dequantize_reference", lambda: dq_ref(data, scales), q_bytes),
     ]
-    out = []
-    for name, fn, nbytes in rows:
-        ms = do_bench_ms(fn)
-        out.append(
-            {"shape": f"{m}x{k}", "op": name, "ms": ms, "bytes": nbytes, "GB/s": nbytes / ms / 1e6}
-        )
-    return out
+    return time_ops(f"{m}x{k}", rows)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -57,10 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     for text in args.shape or DEFAULT_SHAPES:
         results += bench_shape(*parse_shape(text))
-    info = versions()
-    print(" ".join(f"{k}={v}" for k, v in info.items()))
-    print(tabulate(results, headers="keys", floatfmt=".3f"))
-    write_json(args.json, {"versions": info, "results": results})
+    report(results, args.json)
 
 
 if __name__ == "__main__":

@@ -15,8 +15,7 @@ import argparse
 import sys
 
 import torch
-from common import do_bench_ms, parse_shape, versions, warm_gpu, write_json
-from tabulate import tabulate
+from common import parse_shape, report, time_ops, warm_gpu
 
 import mxfp8_a2a as mx
 from mxfp8_a2a.exchange.push import push_rows, receive_plan
@@ -34,7 +33,7 @@ def bench_shape(m: int, k: int, ranks: list[int]) -> list[dict]:
         ("device copy (bf16)", lambda: copy_dst.copy_(x), 4 * n),
         ("quantize_packed", lambda: mx.quantize_packed(x), q_bytes),
     ]
-    keep = []
+    keep = []  # the table holds raw addresses: the buffers must outlive the timings
     for w in ranks:
         counts = torch.zeros(w, w, dtype=torch.int64, device="cuda")
         counts[0] = torch.tensor([m * (d + 1) // w - m * d // w for d in range(w)])
@@ -47,13 +46,7 @@ def bench_shape(m: int, k: int, ranks: list[int]) -> list[dict]:
         keep.append(bufs)
         fn = lambda c=counts[0], s=start[0], t=table, cap=capacity: push_rows(x, t, c, s, cap)  # noqa: E731
         rows.append((f"push_rows, {w} destinations", fn, q_bytes))
-    out = []
-    for name, fn, nbytes in rows:
-        ms = do_bench_ms(fn)
-        out.append(
-            {"shape": f"{m}x{k}", "op": name, "ms": ms, "bytes": nbytes, "GB/s": nbytes / ms / 1e6}
-        )
-    return out
+    return time_ops(f"{m}x{k}", rows)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -68,10 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     for text in args.shape or DEFAULT_SHAPES:
         results += bench_shape(*parse_shape(text), args.ranks)
-    info = versions()
-    print(" ".join(f"{k}={v}" for k, v in info.items()))
-    print(tabulate(results, headers="keys", floatfmt=".3f"))
-    write_json(args.json, {"versions": info, "results": results})
+    report(results, args.json)
 
 
 if __name__ == "__main__":

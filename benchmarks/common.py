@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import triton
+from tabulate import tabulate
 
 
 def versions() -> dict:
@@ -51,6 +52,25 @@ def warm_gpu(fn: Callable[[], object] | None = None, seconds: float = 2.0) -> No
         dst = torch.empty_like(src)
         fn = lambda: dst.copy_(src)  # noqa: E731
     do_bench_ms(fn, warmup_ms=int(seconds * 1000), rep_ms=10)
+
+
+def time_ops(shape: str, ops: list[tuple[str, Callable[[], object], int]]) -> list[dict]:
+    """One row per (name, function, bytes moved) of ``ops``: do_bench median ms and GB/s."""
+    rows = []
+    for name, fn, nbytes in ops:
+        ms = do_bench_ms(fn)
+        rows.append(
+            {"shape": shape, "op": name, "ms": ms, "bytes": nbytes, "GB/s": nbytes / ms / 1e6}
+        )
+    return rows
+
+
+def report(results: list[dict], json_path: str | None) -> None:
+    """Print the versions line and the table of ``results``; write both to ``json_path``."""
+    info = versions()
+    print(" ".join(f"{k}={v}" for k, v in info.items()))
+    print(tabulate(results, headers="keys", floatfmt=".3f"))
+    write_json(json_path, {"versions": info, "results": results})
 
 
 def sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:

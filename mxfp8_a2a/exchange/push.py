@@ -51,7 +51,8 @@ def receive_plan(
     if capacity < 0:
         raise ValueError(f"capacity must be >= 0, got {capacity}")
     c = counts.to(torch.int64)
-    return c.cumsum(0) - c, c.sum(0), c.sum(0) > capacity
+    received = c.sum(0)
+    return c.cumsum(0) - c, received, received > capacity
 
 
 @triton.jit
@@ -166,8 +167,8 @@ def unpack_received(
     if capacity:
         dequantize_into(buf, out)
     n = received.clamp(max=capacity)
-    valid = torch.arange(capacity, device=buf.device) < n
-    return torch.where(valid[:, None], out, torch.zeros((), dtype=dtype, device=buf.device)), n
+    unwritten = torch.arange(capacity, device=buf.device) >= n
+    return out.masked_fill_(unwritten[:, None], 0), n
 
 
 def push_reference(
