@@ -96,7 +96,7 @@ def per_group_builds(cap):
     consts = {"sxo": 1, "BL": col.amax_rows, "ALIGN": 1, "STAGES": col.amax_stages or None}
     consts |= common
     aligned = ["x_ptr", "offs_ptr", "ws_ptr", "n_other", "extent", "sxb", "sxg"]
-    ptx = build(_amax_kernel, sig, consts, cap, aligned, col.num_warps, col.maxnreg)
+    ptx = build(_amax_kernel, sig, consts, cap, aligned, col.num_warps)
     yield "per_group_colwise_amax", "bf16", ptx
     names = ["x_ptr", "offs_ptr", "ws_ptr", "scale_ptr", "data_ptr", "pad_ptr", "n_other"]
     names += ["extent", "n_groups", "dest_extent", "sxb", "sxo", "sxg", "sdb", "sdo", "sdg"]
@@ -107,7 +107,7 @@ def per_group_builds(cap):
     consts = {"sxo": 1, "sdg": 1, "ROUND_POW2": True, "PAD": True, "BL": col.cast_rows}
     consts |= {"ALIGN": 16, "STAGES": col.cast_stages or None, **common}
     aligned = names[:7] + ["dest_extent", "sxb", "sxg", "sdb", "sdo"]
-    ptx = build(_cast_kernel, sig, consts, cap, aligned, col.num_warps, col.maxnreg)
+    ptx = build(_cast_kernel, sig, consts, cap, aligned, col.num_warps)
     yield "per_group_colwise_cast", "bf16", ptx
 
 

@@ -118,8 +118,7 @@ def _colwise(
     int64 = max(_extent(x), _extent(data), ws.numel()) >= INT64_FROM
     n_strips = max(1, triton.cdiv(n_other, c.block_other))
     common = dict(SOFT=soft, INT64=int64, BO=c.block_other, SUB=c.sub,
-                  BG=max(2, triton.next_power_of_2(g)), num_warps=c.num_warps,
-                  **({"maxnreg": c.maxnreg} if c.maxnreg and not soft else {}))  # fmt: skip
+                  BG=max(2, triton.next_power_of_2(g)), num_warps=c.num_warps)  # fmt: skip
     if extent and n_other:
         rows = _colwise_rows(c, c.amax_rows, extent, n_strips * batch)
         _amax_kernel[(triton.cdiv(extent, rows) * n_strips, batch)](
