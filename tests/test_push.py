@@ -106,6 +106,29 @@ def test_rows_past_the_counts_are_not_sent(device):
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_bad_counts_write_nothing_outside_the_buffers(device):
+    """Negative counts (a caller's bug; never read on the host, so never rejected there):
+    whatever lands, nothing is written outside a receive buffer (guard rows around each)."""
+    g = fresh_generator()
+    k, capacity, guard = 32, 6, 4
+    counts = torch.tensor([[3, -2, 4], [-5, 2, 2], [1, 1, -1]])
+    row = wire_row(k)
+    arena = torch.full((3, guard + capacity + guard, row), SENTINEL, dtype=torch.uint8)
+    arena = arena.to(device)
+    table = torch.tensor(
+        [arena[d, guard].data_ptr() for d in range(3)], dtype=torch.int64, device=device
+    )
+    start, _, _ = receive_plan(counts.to(device), capacity)
+    for s in range(3):
+        x = random_blocks((8, k), torch.float32, "cpu", g).to(device)
+        push_rows(x, table, counts[s].to(device), start[s], capacity)
+    arena = arena.cpu()
+    assert bool((arena[:, :guard] == SENTINEL).all()) and bool(
+        (arena[:, -guard:] == SENTINEL).all()
+    )
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_unpack_received_rank_encoded_rows(device):
     """Row j of rank s holds s + 1 in its first block and j + 1 in its second (exact in
     e4m3): each receiver gets its sources' rows in source-major order, dequantized, and

@@ -90,7 +90,9 @@ def _push_kernel(
     d = tl.maximum(d, 0)
     local = row - tl.load(begin_ptr + d, mask=gmask, other=0)
     dest_row = tl.load(start_ptr + d, mask=gmask, other=0) + local
-    ok = gmask & (local < tl.load(count_ptr + d, mask=gmask, other=0)) & (dest_row < capacity)
+    # (the bounds also hold for bad counts, e.g. negative ones: nothing lands outside a buffer)
+    in_segment = (local >= 0) & (local < tl.load(count_ptr + d, mask=gmask, other=0))
+    ok = gmask & in_segment & (dest_row >= 0) & (dest_row < capacity)
     col = cg[:, None] * 32 + tl.arange(0, 32)[None, :]
     x = tl.load(x_ptr + row[:, None] * stride_xm + col * stride_xk, mask=gmask[:, None])
     q, b = mx_quantize_blocks(to_fp32(x, SOFT), RCEIL, HW_E8M0, SOFT)
