@@ -76,10 +76,9 @@ COPY_ENGINE_MAX_RANGES = 2
 # amax rows: at this shape min_programs halves them to 512, the same launch as this tiling):
 # 191/203/230 us column-major and 181/185/203 us row-major (1.8-2.3 TB/s effective), against
 # 239/243/270 and 225/230/247 for none in the same run; 2/0, 4/0, 3/2 and 2/2 stages in
-# between; a 64- or 80-register cap slower in one noisy round (tune_colwise_stages.txt; the
-# cap is no longer a colwise knob). At the MoE benchmark's shapes this tiling against none
-# (compare_colwise_stages.txt, 5 rounds): 17-21% faster, except [16, 2048, 768] weights
-# (equal). (Single timings of one call on this
+# between; a 64- or 80-register cap slower in one noisy round (tune_colwise_stages.txt). At
+# the MoE benchmark's shapes this tiling against none (compare_colwise_stages.txt, 5 rounds):
+# 17-21% faster, except [16, 2048, 768] weights (equal). (Single timings of one call on this
 # machine vary by up to 1.8x between repeats, hence rounds: timing_spread.txt,
 # alloc_probe.txt.)
 # Replaced: the chunk kernel (one launch, each tile read twice by programs a lag of tickets

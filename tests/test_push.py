@@ -123,9 +123,8 @@ def test_bad_counts_write_nothing_outside_the_buffers(device):
         x = random_blocks((8, k), torch.float32, "cpu", g).to(device)
         push_rows(x, table, counts[s].to(device), start[s], capacity)
     arena = arena.cpu()
-    assert bool((arena[:, :guard] == SENTINEL).all()) and bool(
-        (arena[:, -guard:] == SENTINEL).all()
-    )
+    assert bool((arena[:, :guard] == SENTINEL).all()), "written before a buffer"
+    assert bool((arena[:, -guard:] == SENTINEL).all()), "written after a buffer"
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
