@@ -87,6 +87,18 @@ COPY_ENGINE_MAX_RANGES = 2
 # GEMMs need.
 
 
+# Per-row scales (grouped/row_scales.py: one scale per row, the rowwise operands of the FP8
+# grouped GEMMs): whole rows in registers, ROW_SCALES_TILE elements per program (rows of the
+# power of two >= the width), rows wider than ROW_SCALES_MAX_WIDTH through the row-block
+# kernel. H200, min over 3 interleaved rounds (benchmarks/bench_row_scales.py,
+# results/2026-12-02/row_scales.txt), row-block kernel -> tile 8192 at 4 warps: [65536, 768]
+# 113 -> 42 us, [32768, 2048] 64 -> 53 us, [65536, 2048] 100 -> 99 us, [32768, 7168] 170 ->
+# 166 us; 8 warps the same within 1 us, tile 16384 at 8 warps 2-105% slower.
+ROW_SCALES_TILE = 8192
+ROW_SCALES_NUM_WARPS = 4
+ROW_SCALES_MAX_WIDTH = 8192
+
+
 class RowBlockTiling(NamedTuple):
     tile: int
     item: int

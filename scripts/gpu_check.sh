@@ -28,6 +28,8 @@ fi
 if has cast; then
   timeout 120 python3 "$here/benchmarks/bench_cast.py" --json "$out/cast.json" 2>&1 | tee "$out/cast.txt"
   timeout 120 python3 "$here/benchmarks/bench_push.py" --json "$out/push.json" 2>&1 | tee "$out/push.txt"
+  timeout 240 python3 "$here/benchmarks/bench_row_scales.py" --tile 8192 --warps 4 --tile 8192 \
+    --warps 8 --tile 16384 --warps 8 --json "$out/row_scales.json" 2>&1 | tee "$out/row_scales.txt"
 fi
 if has pergroup; then
   timeout 80 python3 "$here/scripts/timing_spread.py" --rounds 8 > "$out/timing_spread.txt" 2>&1

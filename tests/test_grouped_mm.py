@@ -177,7 +177,6 @@ def test_torch_compile_fullgraph_cpu():
 def test_torch_compile_fullgraph_fp8_cuda_path_emulated(emulated, monkeypatch):
     """The CUDA FP8 path traces in one graph (per-group kernels through the interpreter,
     torch._scaled_grouped_mm emulated as a custom op with torch's meta as its fake)."""
-    monkeypatch.setattr(fr, "_BACKEND", "triton")
     args = _inputs(40, 32, 16, 3, "with_empty", torch.bfloat16, "cpu", fresh_generator())
     torch._dynamo.reset()
     # dynamic=True: symbolic shapes and strides, as a recompile at new sizes gets them
@@ -190,7 +189,6 @@ def test_torch_compile_fullgraph_fp8_cuda_path_emulated(emulated, monkeypatch):
 def test_fp8_op_passes_opcheck(emulated, monkeypatch, m):
     """mxfp8_a2a::fp8_rowwise_grouped_mm: schema, fake, registered autograd and AOT dispatch
     (torch.library.opcheck), with rows and without."""
-    monkeypatch.setattr(fr, "_BACKEND", "triton")
     x, w, offs, _ = _inputs(m, 32, 16, 3, "with_empty", torch.bfloat16, "cpu", fresh_generator())
     x, w = x.requires_grad_(True), w.requires_grad_(True)
     torch.library.opcheck(fr.fp8_rowwise_grouped_mm, (x, w, offs, []))
@@ -204,7 +202,6 @@ def test_fp8_op_passes_opcheck(emulated, monkeypatch, m):
 def test_fp8_weights_made_once_give_the_same_bits(emulated, monkeypatch):
     """The CUDA FP8 path with fp8_rowwise_weights(w) made beforehand: the same bits as the
     path that casts w itself, forward and both gradients."""
-    monkeypatch.setattr(fr, "_BACKEND", "triton")
     args = _inputs(61, 32, 48, 4, "with_empty", torch.bfloat16, "cpu", fresh_generator())
     fp8 = list(fr.fp8_rowwise_weights(args[1]))
     reused = _fwd_bwd(lambda x, w, o: fr.fp8_rowwise_grouped_mm(x, w, o, fp8), *args)

@@ -12,13 +12,9 @@ from typing import NamedTuple
 import torch
 
 from .._common import contiguous
-from .per_group_scales import (
-    expert_column_scales,
-    padded_token_scales,
-    per_group_rowwise_scales,
-)
+from .per_group_scales import expert_column_scales, padded_token_scales
+from .row_scales import row_scales
 
-_BACKEND = "auto"  # of the per-group scaling calls (tests set "triton" under the interpreter)
 _FP8_DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -29,9 +25,8 @@ def _scaled_gmm(a, b, scale_a, scale_b, offs) -> torch.Tensor:
 
 def _scale_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """t [R, C] -> e4m3 [R, C] row-major with one scale per row, reciprocal scales fp32 [R]."""
-    whole = torch.full((1,), t.shape[1], dtype=torch.int32, device=t.device)
-    data, scales = per_group_rowwise_scales(t, whole, backend=_BACKEND, validate=False)
-    return contiguous(data), scales.reshape(-1).reciprocal()
+    data, scales = row_scales(t)
+    return data, scales.reciprocal()
 
 
 def _weights_per_column(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

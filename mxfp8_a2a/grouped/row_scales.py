@@ -1,0 +1,103 @@
+"""One FP8 scale per row of a 2-D tensor, in one pass: the rowwise operands of the FP8
+grouped GEMMs (the forward's tokens, grad_x's gradient and weights). The same numbers as
+per_group_rowwise_scales(x, [C]) (one group spanning each row, reference.py), from a kernel
+that holds whole rows in registers: each element is read once and written once (3 bytes
+per bf16 element), where the row-block kernel reads rows wider than its largest size class
+twice, in tiles of part of a row.
+
+Layers: ``_row_scales_kernel`` -> the custom op ``mxfp8_a2a::row_scales`` (checks,
+allocation, grid) -> :func:`row_scales`, which takes the per-group kernels for rows wider
+than ``_config.ROW_SCALES_MAX_WIDTH`` or strided along the row, and the plain-torch reference
+where the kernels do not run.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import _config
+from .._common import interpreted
+from ..formats.bits import to_fp32
+from .kernels import _amax_bits, _e4m3_bits, _offsets, _scales
+from .per_group_scales import INT64_FROM, _extent, per_group_rowwise_scales
+from .reference import per_group_rowwise_reference, scales_from_amax
+
+
+@triton.jit
+def _row_scales_kernel(
+    x_ptr, data_ptr, scale_ptr, n_rows, n_cols, sxr, sxc,
+    ROUND_POW2: tl.constexpr, SOFT: tl.constexpr, INT64: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """x [n_rows, n_cols] through strides (sxr, sxc); data uint8 e4m3 bits [n_rows, n_cols]
+    row-major; scale fp32 [n_rows]. Program t: rows [t * BLOCK_R, (t + 1) * BLOCK_R), each
+    whole (BLOCK_C >= n_cols): loaded once, its amax, its scale, its data."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = tl.arange(0, BLOCK_C)
+    rmask = r < n_rows
+    mask = rmask[:, None] & (c < n_cols)[None, :]
+    x = to_fp32(tl.load(x_ptr + _offsets(r, c, sxr, sxc, INT64), mask=mask, other=0.0), SOFT)
+    scale = _scales(_amax_bits(x), ROUND_POW2)
+    y = _e4m3_bits(x * scale[:, None], SOFT)
+    tl.store(data_ptr + _offsets(r, c, n_cols, 1, INT64), y, mask=mask)
+    tl.store(scale_ptr + r, scale, mask=rmask)
+
+
+def _kernels_run_on(device: torch.device) -> bool:
+    return device.type == "cuda" or interpreted(_row_scales_kernel)
+
+
+@torch.library.custom_op("mxfp8_a2a::row_scales", mutates_args=())
+def _row_scales_op(x: torch.Tensor, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    n_rows, n_cols = x.shape
+    data = torch.empty((n_rows, n_cols), dtype=torch.uint8, device=x.device)
+    scales = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    if n_rows and n_cols:
+        block_c = triton.next_power_of_2(n_cols)
+        block_r = max(1, _config.ROW_SCALES_TILE // block_c)
+        _row_scales_kernel[(triton.cdiv(n_rows, block_r),)](
+            x, data, scales, n_rows, n_cols, x.stride(0), x.stride(1), ROUND_POW2=pow2,
+            SOFT=x.device.type == "cpu", INT64=max(_extent(x), data.numel()) >= INT64_FROM,
+            BLOCK_R=block_r, BLOCK_C=block_c, num_warps=_config.ROW_SCALES_NUM_WARPS,
+        )  # fmt: skip
+    else:  # rows without columns: the scale of an empty group
+        scales.fill_(scales_from_amax(torch.zeros(()), pow2).item())
+    return data.view(torch.float8_e4m3fn), scales
+
+
+@_row_scales_op.register_fake
+def _(x, pow2):
+    return x.new_empty(x.shape, dtype=torch.float8_e4m3fn), x.new_empty(
+        x.shape[0], dtype=torch.float32
+    )
+
+
+def row_scales(
+    x: torch.Tensor, round_scales_to_power_of_2: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x bf16/fp32 [R, C], any strides -> (data float8_e4m3fn [R, C] row-major, scales fp32
+    [R]): scale = 448 / max(amax of the row, 1e-12), data = e4m3(clamp(x * scale, +-448)),
+    as per_group_rowwise_scales(x, offs=[C]) gives them (its scales reshaped to [R])."""
+    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(
+            f"row_scales: x must be a 2-D bf16 or fp32 tensor, got {x.dtype} {tuple(x.shape)}"
+        )
+    if _kernels_run_on(x.device) and _row_kernel_fits(x):
+        return _row_scales_op(x, round_scales_to_power_of_2)
+    whole = torch.full((1,), x.shape[1], dtype=torch.int32, device=x.device)
+    if _kernels_run_on(x.device):  # the per-group kernels choose a kernel for x's strides
+        data, scales = per_group_rowwise_scales(
+            x, whole, round_scales_to_power_of_2=round_scales_to_power_of_2, backend="triton",
+            validate=False,
+        )  # fmt: skip
+    else:
+        data, scales = per_group_rowwise_reference(x, whole, round_scales_to_power_of_2)
+    return data.contiguous(), scales.reshape(-1)
+
+
+def _row_kernel_fits(x: torch.Tensor) -> bool:
+    """Rows at most ROW_SCALES_MAX_WIDTH wide with unit column stride (whole rows in
+    registers, loads along them); other x take the per-group kernels."""
+    return x.shape[1] <= _config.ROW_SCALES_MAX_WIDTH and (x.stride(1) == 1 or x.shape[1] <= 1)
