@@ -17,6 +17,18 @@ def check_scaling_mode(scaling_mode: str) -> None:
         raise ValueError(f"scaling_mode must be one of {SCALING_MODES}, got {scaling_mode!r}")
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for ints, as triton.cdiv on the host without its per-call cost (a
+    ConstexprFunction call: 3.5-10 us on triton 3.9 / 3.6, against 0.05 us here)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n for n >= 1 (0 for n <= 0), as triton.next_power_of_2
+    on the host, without its per-call cost."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 def interpreted(kernel) -> bool:
     """True when ``kernel`` was decorated while TRITON_INTERPRET=1 (runs on CPU tensors)."""
     return type(kernel).__name__ == "InterpretedFunction"

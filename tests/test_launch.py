@@ -21,6 +21,17 @@ def test_arg_key_follows_triton_specialization():
     assert launch._arg_key(True) is True  # bools are constexpr-like, kept as they are
 
 
+def test_host_integer_helpers_match_triton():
+    """cdiv and next_pow2 (the launchers' grid arithmetic) give triton's numbers."""
+    from mxfp8_a2a._common import cdiv, next_pow2
+
+    values = list(range(0, 70)) + [2**k + d for k in range(6, 40) for d in (-1, 0, 1)]
+    for a in values:
+        assert next_pow2(a) == triton.next_power_of_2(a), a
+        for b in (1, 2, 3, 16, 32, 128, 256, 1000):
+            assert cdiv(a, b) == triton.cdiv(a, b), (a, b)
+
+
 def test_gate_and_environment(monkeypatch):
     monkeypatch.delenv(launch.PUBLIC_LAUNCH_ENV, raising=False)
     expected = triton.__version__.startswith(launch.FAST_TRITON)

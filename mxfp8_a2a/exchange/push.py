@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .. import _config
-from .._common import BLOCK, check_scaling_mode
+from .._common import BLOCK, cdiv, check_scaling_mode, next_pow2
 from ..formats.bits import block_tile, mx_quantize_blocks, to_fp32
 from ..formats.packing import pack
 from ..formats.quantize import _capability, quantize_reference
@@ -144,11 +144,11 @@ def push_rows(
     soft = x.device.type == "cpu"
     block_g = _config.INTERPRET_BLOCK_G if soft else _config.QUANTIZE_BLOCK_G
     begin = count.cumsum(0) - count
-    _push_kernel[(triton.cdiv(n_groups, block_g),)](
+    _push_kernel[(cdiv(n_groups, block_g),)](
         x, table, begin, count, start, n_groups, k // BLOCK, table.numel(),
         x.stride(0), x.stride(1), wire_row(k), capacity, k,
         RCEIL=scaling_mode == "rceil", BLOCK_G=block_g,
-        BW=max(2, triton.next_power_of_2(table.numel())), SOFT=soft,
+        BW=max(2, next_pow2(table.numel())), SOFT=soft,
         HW_E8M0=not soft and _capability(x.device) >= 10,
         num_warps=_config.QUANTIZE_NUM_WARPS,
     )  # fmt: skip

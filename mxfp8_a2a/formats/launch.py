@@ -27,7 +27,7 @@ import torch
 import triton
 from triton import knobs
 
-from .._common import interpreted
+from .._common import cdiv, interpreted
 
 FAST_TRITON = ("3.6.",)  # triton versions whose CompiledKernel launch ran on a GPU here
 CACHE_SIZE = 256
@@ -102,5 +102,5 @@ def launch_tiles(
 ) -> None:
     """:func:`launch` a cast kernel over cdiv(n_groups, consts["BLOCK_G"]) tiles of blocks of
     32, on at most ``max_programs`` programs (None: one per tile); programs loop over tiles."""
-    n_tiles = triton.cdiv(n_groups, consts["BLOCK_G"])
+    n_tiles = cdiv(n_groups, consts["BLOCK_G"])
     launch(kernel, min(n_tiles, max_programs or n_tiles), args, consts, num_warps)

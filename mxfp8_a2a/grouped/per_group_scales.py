@@ -14,10 +14,9 @@ each function can run either kernel without a copy ("direct": its own orientatio
 from __future__ import annotations
 
 import torch
-import triton
 
 from .. import _config
-from .._common import interpreted, resolve_backend
+from .._common import cdiv, interpreted, next_pow2, resolve_backend
 from .kernels import _row_block_kernel
 from .kernels_colwise import _amax_kernel, _cast_kernel
 from .reference import (
@@ -43,7 +42,7 @@ def _row_block(tiling: _config.RowBlockTiling, n_other: int, extent: int, n_grou
     """Other-axis indices per item of the row-block kernel: a power of two near
     tiling.item / (average group width), at most next_power_of_2(n_other) and MAX_ROW_BLOCK."""
     want = tiling.item // max(1, extent // n_groups)
-    return min(triton.next_power_of_2(max(1, want)), triton.next_power_of_2(n_other), MAX_ROW_BLOCK)
+    return min(next_pow2(max(1, want)), next_pow2(n_other), MAX_ROW_BLOCK)
 
 
 def _extent(t: torch.Tensor) -> int:
@@ -79,7 +78,7 @@ def _per_group_triton(
     int64 = max(_extent(x), data.numel(), scales.numel()) >= INT64_FROM
     t = _config.per_group_tiling(1, interpreted=soft)
     block = _row_block(t, n_other, extent, g)
-    _row_block_kernel[(triton.cdiv(n_other, block) * g,)](
+    _row_block_kernel[(cdiv(n_other, block) * g,)](
         x, offs, scales, data, n_other, extent, g, *strides,
         ROUND_POW2=pow2, SOFT=soft, INT64=int64, ALIGN=16 if x.stride(1) == 1 else 1,
         BLOCK=block, TILE=t.tile, MIN_GROUP=t.min_group, N_CLASSES=t.n_classes,
@@ -91,7 +90,7 @@ def _per_group_triton(
 def _colwise_rows(c: _config.ColwiseTiling, rows: int, extent: int, strips: int) -> int:
     """Group-axis rows per tile: ``rows`` halved (down to 4 * c.sub) while the launch would
     have fewer than c.min_programs programs."""
-    while rows > 4 * c.sub and triton.cdiv(extent, rows) * strips < c.min_programs:
+    while rows > 4 * c.sub and cdiv(extent, rows) * strips < c.min_programs:
         rows //= 2
     return rows
 
@@ -116,17 +115,17 @@ def _colwise(
         return scales
     ws = torch.zeros((batch, g, n_other), dtype=torch.int32, device=x.device)
     int64 = max(_extent(x), _extent(data), ws.numel()) >= INT64_FROM
-    n_strips = max(1, triton.cdiv(n_other, c.block_other))
+    n_strips = max(1, cdiv(n_other, c.block_other))
     common = dict(SOFT=soft, INT64=int64, BO=c.block_other, SUB=c.sub,
-                  BG=max(2, triton.next_power_of_2(g)), num_warps=c.num_warps)  # fmt: skip
+                  BG=max(2, next_pow2(g)), num_warps=c.num_warps)  # fmt: skip
     if extent and n_other:
         rows = _colwise_rows(c, c.amax_rows, extent, n_strips * batch)
-        _amax_kernel[(triton.cdiv(extent, rows) * n_strips, batch)](
+        _amax_kernel[(cdiv(extent, rows) * n_strips, batch)](
             x, offs, ws, n_other, extent, g, x.stride(0), x.stride(2), x.stride(1), n_strips,
             BL=rows, ALIGN=16 if x.stride(1) == 1 else 1, STAGES=c.amax_stages or None, **common,
         )  # fmt: skip
     rows = _colwise_rows(c, c.cast_rows, dest_extent, n_strips * batch)
-    n_chunks = triton.cdiv(dest_extent, rows)
+    n_chunks = cdiv(dest_extent, rows)
     _cast_kernel[(n_chunks * n_strips, batch)](
         x, offs, ws, scales, data, ws if pad is None else pad, n_other, extent, g, dest_extent,
         x.stride(0), x.stride(2), x.stride(1), data.stride(0), data.stride(2), data.stride(1),

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .. import _config
-from .._common import interpreted
+from .._common import cdiv, interpreted, next_pow2
 from ..formats.bits import to_fp32
 from .kernels import _amax_bits, _e4m3_bits, _offsets, _scales
 from .per_group_scales import INT64_FROM, _extent, per_group_rowwise_scales
@@ -55,9 +55,9 @@ def _row_scales_op(x: torch.Tensor, pow2: bool) -> tuple[torch.Tensor, torch.Ten
     data = torch.empty((n_rows, n_cols), dtype=torch.uint8, device=x.device)
     scales = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     if n_rows and n_cols:
-        block_c = triton.next_power_of_2(n_cols)
+        block_c = next_pow2(n_cols)
         block_r = max(1, _config.ROW_SCALES_TILE // block_c)
-        _row_scales_kernel[(triton.cdiv(n_rows, block_r),)](
+        _row_scales_kernel[(cdiv(n_rows, block_r),)](
             x, data, scales, n_rows, n_cols, x.stride(0), x.stride(1), ROUND_POW2=pow2,
             SOFT=x.device.type == "cpu", INT64=max(_extent(x), data.numel()) >= INT64_FROM,
             BLOCK_R=block_r, BLOCK_C=block_c, num_warps=_config.ROW_SCALES_NUM_WARPS,
