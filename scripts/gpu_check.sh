@@ -4,7 +4,7 @@
 # bench: the whole suite (scripts/run_benchmarks.sh); cast, pergroup: the one-GPU parts
 # (pergroup adds the timing-spread probe and the per-group tiling sweep); grouped: grouped_mm's
 # GPU tests, the MoE layer benchmark (one rank), the FP8 experts piece by piece and their
-# colwise pieces per tiling in rounds; host: host time per exchange call.
+# colwise pieces per tiling in rounds, the kernels' own time (gpu_time.py); host: host time per exchange call.
 set -uo pipefail
 out=${1:?usage: scripts/gpu_check.sh OUTDIR [stage...]}
 shift
@@ -47,6 +47,8 @@ if has grouped; then
   grep -E "experts|per column|padded" "$out/grouped_mm_pieces.txt"
   timeout 120 python3 "$here/scripts/compare_colwise_tilings.py" > "$out/compare_colwise.txt" 2>&1
   tail -14 "$out/compare_colwise.txt"
+  timeout 150 python3 "$here/scripts/gpu_time.py" > "$out/gpu_time.txt" 2>&1
+  tail -14 "$out/gpu_time.txt"
 fi
 if has host; then
   # host time per exchange call (one rank per GPU), the cached launch and the public one

@@ -1,0 +1,142 @@
+"""The GPU's own time (torch.profiler: the kernels' time per call) beside the time per call
+that back-to-back calls take, which is the larger of the GPU's and the host's.
+
+    python scripts/gpu_time.py [--part colwise|experts|both]
+
+colwise: the colwise per-group casts at (16640, 8192) bf16 (bench_per_group_scales.py's x
+and offsets) with 1 / 16 / 64 groups, data column-major (grad_w) and row-major, and two of
+the FP8 experts' small pieces: each launch's kernel time over 20 calls, and the do_bench
+median. experts: profile_grouped_mm.py's experts forward+backward at the MoE benchmark's
+shapes, bf16 and fp8_rowwise: wall time per step of back-to-back steps (median of 5 runs of
+10), the kernels' time per step, and a CUDA graph's replay (no host time). Needs a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from bench_per_group_scales import K, M, jagged_offsets  # noqa: E402
+from profile_grouped_mm import SHAPES, uneven_offsets  # noqa: E402
+
+from mxfp8_a2a import grouped_mm, per_group_colwise_scales  # noqa: E402
+
+fr = importlib.import_module("mxfp8_a2a.grouped.fp8_rowwise")
+
+
+def kernel_us(fn, calls: int) -> dict[str, tuple[float, int]]:
+    """Kernel name -> (us per call, launches per call) over ``calls`` calls."""
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return {
+        e.key[:40]: (e.device_time_total / calls, e.count // calls)
+        for e in prof.key_averages()
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.count
+    }
+
+
+def wall_us(fn, n: int) -> float:
+    """Median over 5 runs of the time per call of n back-to-back calls."""
+    runs = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        runs.append((time.perf_counter() - t) / n * 1e6)
+    return statistics.median(runs)
+
+
+def colwise() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(M, K, dtype=torch.bfloat16, generator=g).cuda()
+    cases = {}
+    for n in (1, 16, 64):
+        o = jagged_offsets(M, n, torch.Generator().manual_seed(0))
+        cases[f"colwise col-major {n}"] = lambda o=o: per_group_colwise_scales(
+            x, o, data_layout="column_major", validate=False
+        )
+        cases[f"colwise row-major {n}"] = lambda o=o: per_group_colwise_scales(x, o, validate=False)
+    randn = lambda *s: torch.randn(*s, generator=g).to("cuda", torch.bfloat16)  # noqa: E731
+    w_small, a768 = randn(16, 2048, 768), randn(65536, 768)
+    o16 = uneven_offsets(65536, 16, g)
+    cases["w per column [16, 2048, 768]"] = lambda: fr._weights_per_column(w_small)
+    cases["padded per group [65536, 768], 16"] = lambda: fr.padded_token_scales(a768, o16)
+    for name, fn in cases.items():
+        bench = triton.testing.do_bench(fn, warmup=100, rep=200, return_mode="median") * 1e3
+        per = kernel_us(fn, 20)
+        total = sum(t for t, _ in per.values())
+        parts = ", ".join(
+            f"{k} {t:.1f} us x{c}" for k, (t, c) in sorted(per.items(), key=lambda kv: -kv[1][0])
+        )
+        print(f"{name}: do_bench {bench:.1f} us, kernels {total:.1f} us: {parts}", flush=True)
+
+
+def experts() -> None:
+    for text in SHAPES:
+        tokens, hidden, top_k, n_experts, ffn = (int(v) for v in text.split("x"))
+        m = tokens * top_k
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(m, hidden, generator=g).to(torch.bfloat16).cuda().requires_grad_()
+        w1 = (torch.randn(n_experts, hidden, ffn, generator=g) * hidden**-0.5).to(torch.bfloat16)
+        w2 = (torch.randn(n_experts, ffn, hidden, generator=g) * ffn**-0.5).to(torch.bfloat16)
+        w1, w2 = w1.cuda().requires_grad_(), w2.cuda().requires_grad_()
+        offs = uneven_offsets(m, n_experts, g)
+        go = torch.randn(m, hidden, generator=g).to(torch.bfloat16).cuda()
+        for precision in ("bf16", "fp8_rowwise"):
+
+            def step(precision=precision, x=x, w1=w1, w2=w2, offs=offs, go=go):
+                h = F.gelu(grouped_mm(x, w1, offs, precision=precision))
+                torch.autograd.backward(grouped_mm(h, w2, offs, precision=precision), go)
+
+            for _ in range(3):
+                step()
+            eager = wall_us(step, 10)
+            kernels = sum(t for t, _ in kernel_us(step, 5).values())
+            side = torch.cuda.Stream()  # warm-up off the capturing stream, as CUDA graphs ask
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    step()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+            replay = wall_us(graph.replay, 10)
+            print(
+                f"{text} {precision}: eager wall {eager:.0f} us per step, kernels "
+                f"{kernels:.0f} us, graph replay {replay:.0f} us",
+                flush=True,
+            )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--part", choices=["colwise", "experts", "both"], default="both")
+    args = p.parse_args()
+    if args.part in ("colwise", "both"):
+        colwise()
+    if args.part in ("experts", "both"):
+        experts()
+
+
+if __name__ == "__main__":
+    main()
