@@ -28,7 +28,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from bench_per_group_scales import K, M, jagged_offsets  # noqa: E402
-from profile_grouped_mm import SHAPES, uneven_offsets  # noqa: E402
+from profile_grouped_mm import SHAPES, expert_inputs, uneven_offsets  # noqa: E402
 
 from mxfp8_a2a import grouped_mm, per_group_colwise_scales  # noqa: E402
 
@@ -90,15 +90,7 @@ def colwise() -> None:
 
 def experts() -> None:
     for text in SHAPES:
-        tokens, hidden, top_k, n_experts, ffn = (int(v) for v in text.split("x"))
-        m = tokens * top_k
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(m, hidden, generator=g).to(torch.bfloat16).cuda().requires_grad_()
-        w1 = (torch.randn(n_experts, hidden, ffn, generator=g) * hidden**-0.5).to(torch.bfloat16)
-        w2 = (torch.randn(n_experts, ffn, hidden, generator=g) * ffn**-0.5).to(torch.bfloat16)
-        w1, w2 = w1.cuda().requires_grad_(), w2.cuda().requires_grad_()
-        offs = uneven_offsets(m, n_experts, g)
-        go = torch.randn(m, hidden, generator=g).to(torch.bfloat16).cuda()
+        x, w1, w2, offs, go = expert_inputs(text)
         for precision in ("bf16", "fp8_rowwise"):
 
             def step(precision=precision, x=x, w1=w1, w2=w2, offs=offs, go=go):

@@ -76,6 +76,22 @@ def pieces(x, w1, w2, offs) -> list[tuple[str, float, int]]:
     return out
 
 
+def expert_inputs(text: str):
+    """For a shape TOKENSxHIDDENxTOPKxEXPERTSxFFN, on the GPU, seeded: x [tokens * top_k,
+    hidden] bf16 (requires grad), w1 [experts, hidden, ffn] and w2 [experts, ffn, hidden]
+    bf16 (require grad), offs int32 [experts] (uneven groups) and the output's gradient."""
+    tokens, hidden, top_k, experts, ffn = (int(v) for v in text.split("x"))
+    m = tokens * top_k
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(m, hidden, generator=g).to(torch.bfloat16).cuda().requires_grad_()
+    w1 = (torch.randn(experts, hidden, ffn, generator=g) * hidden**-0.5).to(torch.bfloat16)
+    w2 = (torch.randn(experts, ffn, hidden, generator=g) * ffn**-0.5).to(torch.bfloat16)
+    w1, w2 = w1.cuda().requires_grad_(), w2.cuda().requires_grad_()
+    offs = uneven_offsets(m, experts, g)
+    go = torch.randn(m, hidden, generator=g).to(torch.bfloat16).cuda()
+    return x, w1, w2, offs, go
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--shape", action="append")
@@ -86,15 +102,7 @@ def main() -> None:
     print(versions())
     warm_gpu()
     for text in args.shape or SHAPES:
-        tokens, hidden, top_k, experts, ffn = (int(v) for v in text.split("x"))
-        m = tokens * top_k
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(m, hidden, generator=g).to(torch.bfloat16).cuda().requires_grad_()
-        w1 = (torch.randn(experts, hidden, ffn, generator=g) * hidden**-0.5).to(torch.bfloat16)
-        w2 = (torch.randn(experts, ffn, hidden, generator=g) * ffn**-0.5).to(torch.bfloat16)
-        w1, w2 = w1.cuda().requires_grad_(), w2.cuda().requires_grad_()
-        offs = uneven_offsets(m, experts, g)
-        go = torch.randn(m, hidden, generator=g).to(torch.bfloat16).cuda()
+        x, w1, w2, offs, go = expert_inputs(text)
 
         def step(precision, x=x, w1=w1, w2=w2, offs=offs, go=go):
             h = F.gelu(grouped_mm(x, w1, offs, precision=precision))
