@@ -34,7 +34,8 @@ def _row_scales_kernel(
     """x [n_rows, n_cols] through strides (sxr, sxc); data uint8 e4m3 bits [n_rows, n_cols]
     row-major; scale fp32 [n_rows]. Program t: rows [t * BLOCK_R, (t + 1) * BLOCK_R), each
     whole (BLOCK_C >= n_cols): loaded once, its amax, its scale, its data."""
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    t = tl.program_id(0)
+    r = (t.to(tl.int64) if INT64 else t) * BLOCK_R + tl.arange(0, BLOCK_R)
     c = tl.arange(0, BLOCK_C)
     rmask = r < n_rows
     mask = rmask[:, None] & (c < n_cols)[None, :]
@@ -59,7 +60,8 @@ def _row_scales_op(x: torch.Tensor, pow2: bool) -> tuple[torch.Tensor, torch.Ten
         block_r = max(1, _config.ROW_SCALES_TILE // block_c)
         _row_scales_kernel[(cdiv(n_rows, block_r),)](
             x, data, scales, n_rows, n_cols, x.stride(0), x.stride(1), ROUND_POW2=pow2,
-            SOFT=x.device.type == "cpu", INT64=max(_extent(x), data.numel()) >= INT64_FROM,
+            SOFT=x.device.type == "cpu",
+            INT64=max(_extent(x), data.numel(), n_rows + block_r) >= INT64_FROM,
             BLOCK_R=block_r, BLOCK_C=block_c, num_warps=_config.ROW_SCALES_NUM_WARPS,
         )  # fmt: skip
     else:  # rows without columns: the scale of an empty group
