@@ -43,8 +43,8 @@ def kernel_us(fn, calls: int) -> dict[str, tuple[float, int]]:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    return {
-        e.key[:40]: (e.device_time_total / calls, e.count // calls)
+    return {  # (by the whole name: torch's elementwise kernels share long prefixes)
+        e.key: (e.device_time_total / calls, e.count // calls)
         for e in prof.key_averages()
         if e.device_type == torch.autograd.DeviceType.CUDA and e.count
     }
@@ -83,7 +83,8 @@ def colwise() -> None:
         per = kernel_us(fn, 20)
         total = sum(t for t, _ in per.values())
         parts = ", ".join(
-            f"{k} {t:.1f} us x{c}" for k, (t, c) in sorted(per.items(), key=lambda kv: -kv[1][0])
+            f"{k[:40]} {t:.1f} us x{c}"
+            for k, (t, c) in sorted(per.items(), key=lambda kv: -kv[1][0])
         )
         print(f"{name}: do_bench {bench:.1f} us, kernels {total:.1f} us: {parts}", flush=True)
 
