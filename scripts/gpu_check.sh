@@ -3,8 +3,9 @@
 #   [TESTS='tests/test_a2a.py ...'] scripts/gpu_check.sh OUTDIR [tests|tune|bench|cast|pergroup|grouped|host|all]...
 # bench: the whole suite (scripts/run_benchmarks.sh); cast, pergroup: the one-GPU parts
 # (pergroup adds the timing-spread probe and the per-group tiling sweep); grouped: grouped_mm's
-# GPU tests, the MoE layer benchmark (one rank), the FP8 experts piece by piece and their
-# colwise pieces per tiling in rounds, the kernels' own time (gpu_time.py); host: host time per exchange call.
+# GPU tests, the MoE layer benchmark (one rank), the FP8 experts piece by piece, their colwise
+# pieces per tiling in rounds and the kernels' own time (gpu_time.py); host: host time per
+# exchange call.
 set -uo pipefail
 out=${1:?usage: scripts/gpu_check.sh OUTDIR [stage...]}
 shift

@@ -18,10 +18,10 @@ import triton
 import triton.language as tl
 
 from .. import _config
-from .._common import cdiv, interpreted, next_pow2
+from .._common import cdiv, next_pow2
 from ..formats.bits import to_fp32
 from .kernels import _amax_bits, _e4m3_bits, _offsets, _scales
-from .per_group_scales import INT64_FROM, _extent, per_group_rowwise_scales
+from .per_group_scales import INT64_FROM, _extent, _kernels_run_on, per_group_rowwise_scales
 from .reference import per_group_rowwise_reference, scales_from_amax
 
 
@@ -44,10 +44,6 @@ def _row_scales_kernel(
     y = _e4m3_bits(x * scale[:, None], SOFT)
     tl.store(data_ptr + _offsets(r, c, n_cols, 1, INT64), y, mask=mask)
     tl.store(scale_ptr + r, scale, mask=rmask)
-
-
-def _kernels_run_on(device: torch.device) -> bool:
-    return device.type == "cuda" or interpreted(_row_scales_kernel)
 
 
 @torch.library.custom_op("mxfp8_a2a::row_scales", mutates_args=())
