@@ -1,4 +1,4 @@
-"""One ExpertParallelMoE layer, forward + backward, phase by phase, four ways:
+"""One ExpertParallelMoE layer, forward + backward, phase by phase, six ways:
 
     bf16 + loop           plain bf16 exchange, the experts as the old per-expert Python loop
     bf16 + grouped bf16   plain bf16 exchange, grouped_mm(precision="bf16")
@@ -7,6 +7,9 @@
                           the same inside layer.fp8_weight_reuse(): the weights cast to FP8
                           once (in an untimed step) and reused, as micro-batches 2..n of one
                           optimizer step under gradient accumulation run
+    mxfp8 + fp8_rowwise_gw_hp (, weights reused)
+                          the same with grouped_mm(precision="fp8_rowwise_gw_hp"): the
+                          weights' gradients unscaled in bf16
 
 Start with torchrun, one process per GPU (NCCL; one rank works: its exchange is local), or
 on a machine without GPUs (gloo, a smoke test with a tiny --shape):
@@ -52,6 +55,8 @@ VARIANTS = {  # name: (exchange, experts, inside layer.fp8_weight_reuse())
     "bf16 + grouped bf16": ("bf16", "bf16", False),
     "mxfp8 + fp8_rowwise": ("mxfp8", "fp8_rowwise", False),
     "mxfp8 + fp8_rowwise, weights reused": ("mxfp8", "fp8_rowwise", True),
+    "mxfp8 + fp8_rowwise_gw_hp": ("mxfp8", "fp8_rowwise_gw_hp", False),
+    "mxfp8 + fp8_rowwise_gw_hp, weights reused": ("mxfp8", "fp8_rowwise_gw_hp", True),
 }
 MARKS = ("start", "dispatch", "experts", "combine", "combine_bwd", "experts_bwd", "end")
 PHASES = ("total", "fwd", "bwd", "dispatch", "experts", "combine")

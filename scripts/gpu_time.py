@@ -7,8 +7,9 @@ colwise: the colwise per-group casts at (16640, 8192) bf16 (bench_per_group_scal
 and offsets) with 1 / 16 / 64 groups, data column-major (grad_w) and row-major, and two of
 the FP8 experts' small pieces: each launch's kernel time over 20 calls, and the do_bench
 median. experts: profile_grouped_mm.py's experts forward+backward at the MoE benchmark's
-shapes, bf16 and fp8_rowwise: wall time per step of back-to-back steps (median of 5 runs of
-10), the kernels' time per step, and a CUDA graph's replay (no host time). Needs a CUDA GPU.
+shapes, bf16, fp8_rowwise and fp8_rowwise_gw_hp: wall time per step of back-to-back steps
+(median of 5 runs of 10), the kernels' time per step, and a CUDA graph's replay (no host
+time). Needs a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def colwise() -> None:
 def experts() -> None:
     for text in SHAPES:
         x, w1, w2, offs, go = expert_inputs(text)
-        for precision in ("bf16", "fp8_rowwise"):
+        for precision in ("bf16", "fp8_rowwise", "fp8_rowwise_gw_hp"):
 
             def step(precision=precision, x=x, w1=w1, w2=w2, offs=offs, go=go):
                 h = F.gelu(grouped_mm(x, w1, offs, precision=precision))

@@ -108,11 +108,14 @@ def main() -> None:
             h = F.gelu(grouped_mm(x, w1, offs, precision=precision))
             torch.autograd.backward(grouped_mm(h, w2, offs, precision=precision), go)
 
-        whole = {p: bench(lambda p=p: step(p)) for p in ("bf16", "fp8_rowwise")}
-        ratio = whole["bf16"] / whole["fp8_rowwise"]
+        whole = {
+            p: bench(lambda p=p: step(p)) for p in ("bf16", "fp8_rowwise", "fp8_rowwise_gw_hp")
+        }
+        ratio, ratio_hp = (whole["bf16"] / whole[p] for p in ("fp8_rowwise", "fp8_rowwise_gw_hp"))
         print(
             f"{text}: experts fwd+bwd bf16 {whole['bf16']:.0f} us, "
-            f"fp8_rowwise {whole['fp8_rowwise']:.0f} us ({ratio:.2f}x)"
+            f"fp8_rowwise {whole['fp8_rowwise']:.0f} us ({ratio:.2f}x), fp8_rowwise_gw_hp "
+            f"{whole['fp8_rowwise_gw_hp']:.0f} us ({ratio_hp:.2f}x)"
         )
         with torch.no_grad():
             rows = pieces(x.detach(), w1.detach(), w2.detach(), offs)

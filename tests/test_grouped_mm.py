@@ -140,6 +140,26 @@ def test_fp8_cuda_path_emulated_matches_reference(emulated, dtype, kind):
     assert all(t.dtype == dtype for t in got)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_fp8_gw_hp_is_fp8_forward_and_grad_x_with_bf16_grad_w(kind):
+    """precision="fp8_rowwise_gw_hp": fp8_rowwise's output and grad_x bit for bit, bf16's
+    grad_w bit for bit (references), and its CUDA path (emulated) the same up to fp32
+    summation order."""
+    args = _inputs(203, 64, 48, 6, kind, torch.bfloat16, "cpu", fresh_generator())
+    hp = _fwd_bwd(_reference("fp8_rowwise_gw_hp"), *args)
+    fp8, bf16 = _fwd_bwd(_reference("fp8_rowwise"), *args), _fwd_bwd(_reference("bf16"), *args)
+    for a, b in zip(hp, (fp8[0], fp8[1], bf16[2]), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_fp8_gw_hp_cuda_path_emulated_matches_reference(emulated):
+    args = _inputs(203, 64, 48, 6, "with_empty", torch.bfloat16, "cpu", fresh_generator())
+    got = _fwd_bwd(lambda x, w, o: fr.fp8_rowwise_grouped_mm(x, w, o, [], True), *args)
+    want = _fwd_bwd(_reference("fp8_rowwise_gw_hp"), *args)
+    _close(got, want, "fp8_rowwise_gw_hp")
+    torch.testing.assert_close(got[2], want[2], rtol=0, atol=0)  # torch._grouped_mm: exact
+
+
 def test_fp8_cuda_path_emulated_is_exact_on_representable_data(emulated):
     args = _representable_inputs(77, 32, 48, 4, "with_empty", torch.bfloat16, fresh_generator())
     _close(_fwd_bwd(emulated, *args), _exact(*args), "fp8_rowwise")
@@ -192,6 +212,7 @@ def test_fp8_op_passes_opcheck(emulated, monkeypatch, m):
     x, w, offs, _ = _inputs(m, 32, 16, 3, "with_empty", torch.bfloat16, "cpu", fresh_generator())
     x, w = x.requires_grad_(True), w.requires_grad_(True)
     torch.library.opcheck(fr.fp8_rowwise_grouped_mm, (x, w, offs, []))
+    torch.library.opcheck(fr.fp8_rowwise_grouped_mm, (x, w, offs, [], True))
     # with cached FP8 weights all but the schema test (it multiplies them: float8 cannot)
     cached = list(fr.fp8_rowwise_weights(w))
     checks = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
@@ -226,7 +247,9 @@ def test_bad_fp8_weights_raise_clear_errors():
 
 @pytest.mark.parametrize("precision", gm.PRECISIONS)
 def test_no_rows(precision):
-    x, w = torch.zeros(0, 32, requires_grad=True), torch.randn(3, 32, 16, requires_grad=True)
+    dtype = torch.bfloat16 if precision == "fp8_rowwise_gw_hp" else torch.float32
+    x = torch.zeros(0, 32, dtype=dtype, requires_grad=True)
+    w = torch.randn(3, 32, 16, dtype=dtype, requires_grad=True)
     out = mx.grouped_mm(x, w, torch.zeros(3, dtype=torch.int32), precision=precision)
     out.sum().backward()
     assert out.shape == (0, 16) and w.grad.abs().sum() == 0
@@ -265,6 +288,7 @@ BAD = [
         TypeError,
         "must share one dtype",
     ),
+    (dict(precision="fp8_rowwise_gw_hp"), TypeError, r"\(torch.bfloat16,\) for precision="),
 ]
 
 
@@ -287,12 +311,13 @@ def _layer_vs_reference(rank, world, seed, precision):
         hidden, ffn, experts, top_k, exchange="bf16", precision=precision, seed=seed
     )
     gens = [torch.Generator().manual_seed(seed + r) for r in range(world)]
-    xs = [torch.randn(tokens, hidden, generator=g) for g in gens]
+    dtype = torch.bfloat16 if precision == "fp8_rowwise_gw_hp" else torch.float32  # (bf16 only)
+    xs = [torch.randn(tokens, hidden, generator=g).to(dtype) for g in gens]
     x = xs[rank].clone().requires_grad_(True)
     out = layer(x)
     out.sum().backward()
     full = init_moe_weights(hidden, ffn, experts, seed)
-    ref_w = {k: v.requires_grad_(True) for k, v in full.items()}
+    ref_w = {k: v.to(dtype).requires_grad_(True) for k, v in full.items()}
     x_all = torch.cat(xs).requires_grad_(True)
     ref = moe_reference(x_all, ref_w, top_k, precision=precision)
     ref.sum().backward()

@@ -41,13 +41,17 @@ def test_gpu_bf16_matches_reference(dtype, kind):
 
 
 @needs_sm90
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    "precision, dtype",
+    [("fp8_rowwise", torch.bfloat16), ("fp8_rowwise", torch.float32),
+     ("fp8_rowwise_gw_hp", torch.bfloat16)],
+)  # fmt: skip
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("m", [1003, 4096])
-def test_gpu_fp8_matches_reference(dtype, kind, m):
+def test_gpu_fp8_matches_reference(precision, dtype, kind, m):
     args = _gpu_inputs(kind, dtype, m=m)
-    got = _fwd_bwd(_public("fp8_rowwise"), *args)
-    _close(got, _fwd_bwd(_reference("fp8_rowwise"), *args), "fp8_rowwise")
+    got = _fwd_bwd(_public(precision), *args)
+    _close(got, _fwd_bwd(_reference(precision), *args), precision)
     assert all(t.dtype == dtype for t in got)
 
 
@@ -60,10 +64,11 @@ def test_gpu_fp8_is_exact_on_representable_data(kind):
 
 
 @needs_sm90
+@pytest.mark.parametrize("precision", ["fp8_rowwise", "fp8_rowwise_gw_hp"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_gpu_fp8_sqnr_against_bf16(kind):
+def test_gpu_fp8_sqnr_against_bf16(kind, precision):
     args = _gpu_inputs(kind, m=4096, k=1024, n=512, e=8)
-    fp8 = _fwd_bwd(_public("fp8_rowwise"), *args)
+    fp8 = _fwd_bwd(_public(precision), *args)
     bf16 = _fwd_bwd(_public("bf16"), *args)
     for name, a, b in zip(("out", "grad_x", "grad_w"), fp8, bf16, strict=True):
         assert sqnr_db(b, a) >= SQNR_FLOOR_DB, (name, sqnr_db(b, a))
@@ -72,8 +77,8 @@ def test_gpu_fp8_sqnr_against_bf16(kind):
 @needs_cuda
 @pytest.mark.parametrize("precision", gm.PRECISIONS)
 def test_gpu_empty_experts_get_zero_weight_gradients(precision):
-    if precision == "fp8_rowwise" and not SM90:
-        pytest.skip("fp8_rowwise needs an sm_90+ GPU")
+    if precision != "bf16" and not SM90:
+        pytest.skip(f"{precision} needs an sm_90+ GPU")
     x, w, offs, grad = _gpu_inputs("with_empty", m=517)
     _, _, gw = _fwd_bwd(_public(precision), x, w, offs, grad)
     sizes = torch.diff(offs, prepend=offs.new_zeros(1)).tolist()
@@ -84,8 +89,8 @@ def test_gpu_empty_experts_get_zero_weight_gradients(precision):
 @needs_cuda
 @pytest.mark.parametrize("precision", gm.PRECISIONS)
 def test_gpu_torch_compile_fullgraph(precision):
-    if precision == "fp8_rowwise" and not SM90:
-        pytest.skip("fp8_rowwise needs an sm_90+ GPU")
+    if precision != "bf16" and not SM90:
+        pytest.skip(f"{precision} needs an sm_90+ GPU")
     args = _gpu_inputs("with_empty", m=500)
     compiled = torch.compile(_public(precision), fullgraph=True, backend="inductor")
     _close(_fwd_bwd(compiled, *args), _fwd_bwd(_public(precision), *args), precision)
@@ -123,8 +128,8 @@ def test_gpu_layer_fp8_close_to_bf16():
 @needs_cuda
 @pytest.mark.parametrize("precision", gm.PRECISIONS)
 def test_gpu_fallbacks_without_torch_private_grouped_gemms(monkeypatch, precision):
-    if precision == "fp8_rowwise" and not SM90:
-        pytest.skip("fp8_rowwise needs an sm_90+ GPU")
+    if precision != "bf16" and not SM90:
+        pytest.skip(f"{precision} needs an sm_90+ GPU")
     args = _gpu_inputs("with_empty")
     want = _fwd_bwd(_public(precision), *args)
     monkeypatch.setattr(gm, "HAS_GROUPED_MM", False)

@@ -91,8 +91,11 @@ def _fp8_forward(x, w, offs, cached: list[torch.Tensor]) -> torch.Tensor:
     return _scaled_gmm(xq, wq, xs, ws, offs).to(x.dtype)
 
 
-def _fp8_grads(x, w, offs, grad, cached: list[torch.Tensor], need_x: bool, need_w: bool):
-    """(grad_x [M, K] in x's dtype or None, grad_w [E, K, N] in w's dtype or None)."""
+def _fp8_grads(
+    x, w, offs, grad, cached: list[torch.Tensor], hp_grad_w: bool, need_x: bool, need_w: bool
+):
+    """(grad_x [M, K] in x's dtype or None, grad_w [E, K, N] in w's dtype or None); with
+    ``hp_grad_w`` grad_w unscaled in bf16 (torch._grouped_mm of x^T and grad_out)."""
     if x.shape[0] == 0:
         return torch.zeros_like(x), torch.zeros_like(w)
     grad = contiguous(grad)
@@ -101,7 +104,9 @@ def _fp8_grads(x, w, offs, grad, cached: list[torch.Tensor], need_x: bool, need_
         gq, gs = _scale_rows(grad)
         wq, ws = cached[2:] if cached else _weights_per_row(w)
         gx = _scaled_gmm(gq, wq, gs, ws, offs).to(x.dtype)
-    if need_w:
+    if need_w and hp_grad_w:  # x^T column-major, grad row-major: 2-D x 2-D, as for bf16
+        gw = torch._grouped_mm(x.t(), grad, offs=offs)
+    elif need_w:
         gw = _fp8_grad_w(x, grad, offs).to(w.dtype)
     return gx, gw
 
@@ -111,37 +116,43 @@ def _fp8_grads(x, w, offs, grad, cached: list[torch.Tensor], need_x: bool, need_
 # grad, as non-differentiable and gave zero gradients (seen on an H200, 2026-12-01).
 @torch.library.custom_op("mxfp8_a2a::fp8_rowwise_grouped_mm", mutates_args=())
 def fp8_rowwise_grouped_mm(
-    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, cached: list[torch.Tensor]
+    x: torch.Tensor,
+    w: torch.Tensor,
+    offs: torch.Tensor,
+    cached: list[torch.Tensor],
+    hp_grad_w: bool = False,
 ) -> torch.Tensor:
     """x [M, K], w [E, K, N] contiguous, offs int32 [E], cached: the four tensors of w's
     Fp8Weights or none -> [M, N] in x's dtype through torch._scaled_grouped_mm;
-    differentiable in x and w."""
+    differentiable in x and w (``hp_grad_w``: grad_w unscaled in bf16, x and w bf16)."""
     return _fp8_forward(x, w, offs, cached)
 
 
 @fp8_rowwise_grouped_mm.register_fake
-def _(x, w, offs, cached):
+def _(x, w, offs, cached, hp_grad_w=False):
     return x.new_empty((x.shape[0], w.shape[2]))
 
 
 def _fp8_setup_context(ctx, inputs, output) -> None:
-    x, w, offs, cached = inputs
+    x, w, offs, cached, *hp = inputs
     ctx.save_for_backward(x, w, offs, *cached)
+    ctx.hp_grad_w = bool(hp and hp[0])
 
 
 def _fp8_backward(ctx, grad):
     x, w, offs, *cached = ctx.saved_tensors
-    gx, gw = _fp8_grads(x, w, offs, grad, cached, *ctx.needs_input_grad[:2])
-    return gx, gw, None, [None] * len(cached)  # one entry per input, lists as lists
+    gx, gw = _fp8_grads(x, w, offs, grad, cached, ctx.hp_grad_w, *ctx.needs_input_grad[:2])
+    return gx, gw, None, [None] * len(cached), None  # one entry per input, lists as lists
 
 
 fp8_rowwise_grouped_mm.register_autograd(_fp8_backward, setup_context=_fp8_setup_context)
 
 
 def check_fp8_weights(w: torch.Tensor, fp8: Fp8Weights, precision: str) -> None:
-    if precision != "fp8_rowwise":
+    if not precision.startswith("fp8_rowwise"):
         raise ValueError(
-            f"grouped_mm: fp8_weights is for precision='fp8_rowwise', got {precision!r}"
+            f"grouped_mm: fp8_weights is for precision='fp8_rowwise' or 'fp8_rowwise_gw_hp', "
+            f"got {precision!r}"
         )
     e, k, n = w.shape
     want = ((e, k, n), (e, n), (e, n, k), (e, k))

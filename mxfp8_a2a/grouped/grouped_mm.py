@@ -42,7 +42,7 @@ from .._common import contiguous
 from .fp8_rowwise import Fp8Weights, check_fp8_weights, fp8_rowwise_grouped_mm
 from .grouped_mm_reference import grouped_mm_reference
 
-PRECISIONS = ("bf16", "fp8_rowwise")
+PRECISIONS = ("bf16", "fp8_rowwise", "fp8_rowwise_gw_hp")
 MAX_GROUPS = 1023  # torch's CUTLASS grouped GEMMs: "Can't process more than 1024 groups"
 # torch's CUDA grouped GEMMs are private ops (both in torch 2.11 and 2.13). Where one is
 # missing, grouped_mm runs its public fallback: the loop op for "bf16", the plain-torch
@@ -136,10 +136,13 @@ def _capability(index: int) -> tuple[int, int]:
 
 def gemm_path(x: torch.Tensor, precision: str) -> str:
     """What runs: "scaled" (the FP8 op, torch._scaled_grouped_mm), "reference" (plain torch:
-    "fp8_rowwise" on CPU or without that op), "grouped" (torch._grouped_mm: CUDA bf16) or
-    "loop" (the loop op: everything else)."""
+    the FP8 precisions on CPU or without the ops they use), "grouped" (torch._grouped_mm:
+    CUDA bf16) or "loop" (the loop op: everything else)."""
     if precision == "fp8_rowwise":
         return "scaled" if x.is_cuda and HAS_SCALED_GROUPED_MM else "reference"
+    if precision == "fp8_rowwise_gw_hp":
+        ops = HAS_SCALED_GROUPED_MM and HAS_GROUPED_MM
+        return "scaled" if x.is_cuda and ops else "reference"
     return "grouped" if x.is_cuda and x.dtype == torch.bfloat16 and HAS_GROUPED_MM else "loop"
 
 
@@ -150,7 +153,9 @@ def _check(x, w, offs, precision: str) -> None:
         if not isinstance(t, torch.Tensor) or t.dim() != dims:
             what = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"grouped_mm: {name} must be a {dims}-D tensor, got {what}")
-    dtypes = (torch.bfloat16, torch.float32) + ((torch.float16,) if precision == "bf16" else ())
+    dtypes = {"bf16": (torch.bfloat16, torch.float32, torch.float16),
+              "fp8_rowwise": (torch.bfloat16, torch.float32),
+              "fp8_rowwise_gw_hp": (torch.bfloat16,)}[precision]  # fmt: skip
     if x.dtype not in dtypes or w.dtype != x.dtype:
         raise TypeError(
             f"grouped_mm: x and w must share one dtype of {dtypes} for precision="
@@ -171,7 +176,7 @@ def _check(x, w, offs, precision: str) -> None:
             f"grouped_mm: x, w and offs must be on one device, got {x.device}, {w.device} "
             f"and {offs.device}"
         )
-    fp8 = precision == "fp8_rowwise"
+    fp8 = precision != "bf16"
     multiple = 16 if fp8 else 16 // x.element_size()
     if (fp8 or gemm_path(x, precision) == "grouped") and (k % multiple or n % multiple):
         raise ValueError(
@@ -185,7 +190,7 @@ def _check(x, w, offs, precision: str) -> None:
         cap = _capability(x.device.index if x.device.index is not None else 0)
         if cap < (9, 0):
             raise RuntimeError(
-                f"grouped_mm: precision='fp8_rowwise' needs an sm_90+ GPU "
+                f"grouped_mm: precision={precision!r} needs an sm_90+ GPU "
                 f"(torch._scaled_grouped_mm), got sm_{cap[0]}{cap[1]}; use precision='bf16'"
             )
 
@@ -218,7 +223,10 @@ def grouped_mm(
             the inputs' dtype. On CPU "fp8_rowwise" runs the plain-torch reference. Where
             torch lacks its private torch._grouped_mm / torch._scaled_grouped_mm, the loop /
             the reference run instead (``HAS_GROUPED_MM``, ``HAS_SCALED_GROUPED_MM``).
-        fp8_weights: with "fp8_rowwise", ``fp8_rowwise_weights(w)`` made earlier for this
+            "fp8_rowwise_gw_hp" (bf16 inputs): the forward and grad_x of "fp8_rowwise",
+            grad_w unscaled in bf16 as for "bf16" (torch._grouped_mm): no per-group casts
+            along the tokens, and grad_w as exact as bf16's.
+        fp8_weights: with the FP8 precisions, ``fp8_rowwise_weights(w)`` made earlier for this
             same, unchanged w: the call uses those casts instead of making its own (the
             caller vouches that w has not changed since; the results are the same bits).
             Ignored where the plain-torch reference runs.
@@ -240,7 +248,8 @@ def grouped_mm(
         return grouped_mm_reference(x, w, offs, precision=precision)
     if path == "scaled":
         cached = [] if fp8_weights is None else list(fp8_weights)
-        return fp8_rowwise_grouped_mm(x.contiguous(), w.contiguous(), offs, cached)
+        hp = precision == "fp8_rowwise_gw_hp"
+        return fp8_rowwise_grouped_mm(x.contiguous(), w.contiguous(), offs, cached, hp)
     if path == "grouped":
         return _GroupedMM.apply(x.contiguous(), w.contiguous(), offs, False)
     return _GroupedMM.apply(x, w, offs, True)

@@ -11,6 +11,9 @@ torch._scaled_grouped_mm's epilogue), rounded to bf16, then cast to the inputs' 
     grad_w    x^T one per (expert, row of K),   grad_out^T one per (expert, column of N),
               both along the expert's tokens
 
+"fp8_rowwise_gw_hp": the same forward and grad_x, grad_w unscaled as for "bf16" (each
+expert's x_e^T @ grad_out_e in fp32, rounded once to the inputs' dtype).
+
 Differentiable in x and w (the FP8 backward is its own autograd Function).
 """
 
@@ -75,10 +78,19 @@ def fp8_rowwise_grad_w(x: torch.Tensor, g: torch.Tensor, offs: torch.Tensor) -> 
     return out
 
 
+def hp_grad_w(x: torch.Tensor, g: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """grad_w[e] = x_e^T @ grad_out_e unscaled, in fp32, rounded to x's dtype: [E, K, N]."""
+    out = x.new_zeros((offs.numel(), x.shape[1], g.shape[1]))
+    for i, (lo, hi) in enumerate(_bounds(offs)):
+        out[i] = (x[lo:hi].float().t() @ g[lo:hi].float()).to(x.dtype)
+    return out
+
+
 class _Fp8RowwiseReference(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, offs):
+    def forward(ctx, x, w, offs, hp):
         ctx.save_for_backward(x, w, offs)
+        ctx.hp = hp
         return fp8_rowwise_forward(x, w, offs).to(x.dtype)
 
     @staticmethod
@@ -87,9 +99,11 @@ class _Fp8RowwiseReference(torch.autograd.Function):
         gx = gw = None
         if ctx.needs_input_grad[0]:
             gx = fp8_rowwise_grad_x(grad, w, offs).to(x.dtype)
-        if ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[1] and ctx.hp:
+            gw = hp_grad_w(x, grad, offs).to(w.dtype)
+        elif ctx.needs_input_grad[1]:
             gw = fp8_rowwise_grad_w(x, grad, offs).to(w.dtype)
-        return gx, gw, None
+        return gx, gw, None, None
 
 
 def grouped_mm_reference(
@@ -98,11 +112,14 @@ def grouped_mm_reference(
     """out[offs[e-1]:offs[e]] = x[offs[e-1]:offs[e]] @ w[e] in plain torch (see the module
     docstring for the arithmetic of each precision). x [M, K], w [E, K, N], offs int32 [E]
     end offsets (read on the host); differentiable in x and w. No argument checks: use
-    :func:`mxfp8_a2a.grouped_mm`, which checks them and runs this on CPU for "fp8_rowwise"."""
-    if precision == "fp8_rowwise":
-        return _Fp8RowwiseReference.apply(x, w, offs)
+    :func:`mxfp8_a2a.grouped_mm`, which checks them and runs this on CPU for the FP8
+    precisions."""
+    if precision in ("fp8_rowwise", "fp8_rowwise_gw_hp"):
+        return _Fp8RowwiseReference.apply(x, w, offs, precision == "fp8_rowwise_gw_hp")
     if precision != "bf16":
-        raise ValueError(f"precision must be 'bf16' or 'fp8_rowwise', got {precision!r}")
+        raise ValueError(
+            f"precision must be 'bf16', 'fp8_rowwise' or 'fp8_rowwise_gw_hp', got {precision!r}"
+        )
     bounds = _bounds(offs)
     parts = torch.split(x, [hi - lo for lo, hi in bounds])
     outs = [

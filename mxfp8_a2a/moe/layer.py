@@ -40,10 +40,12 @@ class ExpertParallelMoE(torch.nn.Module):
     w2 [L, ffn, hidden]. Forward: x [T, hidden] -> [T, hidden]. ``exchange`` picks "mxfp8"
     or "bf16" for dispatch and combine, ``transport`` how the MXFP8 exchanges move rows
     ("nccl" or a Transport object, see :func:`dispatch`). ``precision`` picks the experts'
-    grouped GEMMs: "bf16" (unscaled, in the activations' dtype) or "fp8_rowwise" (e4m3
+    grouped GEMMs: "bf16" (unscaled, in the activations' dtype), "fp8_rowwise" (e4m3
     operands with rowwise fp32 scales on sm_90+ GPUs, the plain-torch reference on CPU;
-    hidden and ffn multiples of 16). Parameters are drawn from ``seed`` for all experts and
-    sliced, so every world size builds the same model.
+    hidden and ffn multiples of 16) or "fp8_rowwise_gw_hp" (the same with the weights'
+    gradients unscaled in bf16; bf16 activations); see :func:`mxfp8_a2a.grouped_mm`.
+    Parameters are drawn from ``seed`` for all experts and sliced, so every world size builds
+    the same model.
     """
 
     def __init__(
@@ -62,9 +64,9 @@ class ExpertParallelMoE(torch.nn.Module):
         super().__init__()
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-        if precision == "fp8_rowwise" and (hidden % 16 or ffn % 16):
+        if precision != "bf16" and (hidden % 16 or ffn % 16):
             raise ValueError(
-                f"precision='fp8_rowwise' needs hidden and ffn multiples of 16, got {hidden} "
+                f"precision={precision!r} needs hidden and ffn multiples of 16, got {hidden} "
                 f"and {ffn}"
             )
         world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -100,7 +102,7 @@ class ExpertParallelMoE(torch.nn.Module):
     @contextlib.contextmanager
     def fp8_weight_reuse(self) -> Iterator[None]:
         """For the micro-batches of one optimizer step (gradient accumulation): inside the
-        block, precision="fp8_rowwise" casts w1 and w2 to FP8 at their first use and reuses
+        block, the FP8 precisions cast w1 and w2 to FP8 at their first use and reuse
         those casts (``fp8_rowwise_weights``, 2 bytes per weight element, held until the block
         ends) instead of casting them again in every forward and backward. The results are
         the same bits. Step the optimizer after the block: a weight changed in place inside
