@@ -83,7 +83,7 @@ def _(a, b, sa, sb, offs):
 def emulated(monkeypatch):
     """The CUDA FP8 path, callable on CPU tensors: the op mxfp8_a2a::fp8_rowwise_grouped_mm."""
     monkeypatch.setattr(fr, "_scaled_gmm", _emulated_op)
-    return lambda x, w, offs: fr.fp8_rowwise_grouped_mm(x, w, offs, [])
+    return lambda x, w, offs: fr.fp8_rowwise_grouped_mm(x, w, offs, [], False)
 
 
 class _Ctx:
@@ -176,10 +176,12 @@ def test_cuda_paths_trace_with_fake_cuda_tensors(dtype):
         offs = torch.empty(e, device="cuda", dtype=torch.int32)
         grad = torch.empty(m, n, device="cuda", dtype=dtype)
         out = fr._fp8_forward(x, w, offs, [])
-        gx, gw = fr._fp8_grads(x, w, offs, grad, [], True, True)
+        gx, gw = fr._fp8_grads(x, w, offs, grad, [], False, True, True)
         assert (out.shape, gx.shape, gw.shape) == ((m, n), (m, k), (e, k, n))
         assert out.dtype == gx.dtype == gw.dtype == dtype
-        if dtype == torch.bfloat16:
+        if dtype == torch.bfloat16:  # fp8_rowwise_gw_hp's grad_w, the bf16 path
+            _, gw = fr._fp8_grads(x, w, offs, grad, [], True, False, True)
+            assert gw.shape == (e, k, n) and gw.dtype == dtype
             ctx = _Ctx()
             out = gm._GroupedMM.forward(ctx, x, w, offs, False)
             gx, gw, *_ = gm._GroupedMM.backward(ctx, grad)
@@ -211,12 +213,12 @@ def test_fp8_op_passes_opcheck(emulated, monkeypatch, m):
     (torch.library.opcheck), with rows and without."""
     x, w, offs, _ = _inputs(m, 32, 16, 3, "with_empty", torch.bfloat16, "cpu", fresh_generator())
     x, w = x.requires_grad_(True), w.requires_grad_(True)
-    torch.library.opcheck(fr.fp8_rowwise_grouped_mm, (x, w, offs, []))
+    torch.library.opcheck(fr.fp8_rowwise_grouped_mm, (x, w, offs, [], False))
     torch.library.opcheck(fr.fp8_rowwise_grouped_mm, (x, w, offs, [], True))
     # with cached FP8 weights all but the schema test (it multiplies them: float8 cannot)
     cached = list(fr.fp8_rowwise_weights(w))
     checks = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
-    torch.library.opcheck(fr.fp8_rowwise_grouped_mm, (x, w, offs, cached), test_utils=checks)
+    torch.library.opcheck(fr.fp8_rowwise_grouped_mm, (x, w, offs, cached, False), test_utils=checks)
 
 
 @needs_interpreter
@@ -225,7 +227,7 @@ def test_fp8_weights_made_once_give_the_same_bits(emulated, monkeypatch):
     path that casts w itself, forward and both gradients."""
     args = _inputs(61, 32, 48, 4, "with_empty", torch.bfloat16, "cpu", fresh_generator())
     fp8 = list(fr.fp8_rowwise_weights(args[1]))
-    reused = _fwd_bwd(lambda x, w, o: fr.fp8_rowwise_grouped_mm(x, w, o, fp8), *args)
+    reused = _fwd_bwd(lambda x, w, o: fr.fp8_rowwise_grouped_mm(x, w, o, fp8, False), *args)
     for a, b in zip(reused, _fwd_bwd(emulated, *args), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 

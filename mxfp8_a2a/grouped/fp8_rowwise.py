@@ -120,7 +120,7 @@ def fp8_rowwise_grouped_mm(
     w: torch.Tensor,
     offs: torch.Tensor,
     cached: list[torch.Tensor],
-    hp_grad_w: bool = False,
+    hp_grad_w: bool,
 ) -> torch.Tensor:
     """x [M, K], w [E, K, N] contiguous, offs int32 [E], cached: the four tensors of w's
     Fp8Weights or none -> [M, N] in x's dtype through torch._scaled_grouped_mm;
@@ -129,14 +129,14 @@ def fp8_rowwise_grouped_mm(
 
 
 @fp8_rowwise_grouped_mm.register_fake
-def _(x, w, offs, cached, hp_grad_w=False):
+def _(x, w, offs, cached, hp_grad_w):
     return x.new_empty((x.shape[0], w.shape[2]))
 
 
 def _fp8_setup_context(ctx, inputs, output) -> None:
-    x, w, offs, cached, *hp = inputs
+    x, w, offs, cached, hp_grad_w = inputs
     ctx.save_for_backward(x, w, offs, *cached)
-    ctx.hp_grad_w = bool(hp and hp[0])
+    ctx.hp_grad_w = hp_grad_w
 
 
 def _fp8_backward(ctx, grad):
