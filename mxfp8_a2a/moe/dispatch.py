@@ -32,6 +32,7 @@ import torch.distributed._functional_collectives as funcol
 from ..exchange.api import to_mxfp8_a2a_dequant
 from ..exchange.checks import comm_device, group_rank_and_size, raise_on_every_rank
 from ..exchange.transport import Transport, resolve
+from .rows import take_rows, weighted_slot_sum
 
 EXCHANGES = ("mxfp8", "bf16")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # else code 0
@@ -237,15 +238,17 @@ def dispatch(
     # received rows come as (source, expert) segments; regroup to (expert, source)
     seg = torch.repeat_interleave(torch.arange(world * local, device=x.device), recv_counts)
     regroup = torch.sort((seg % local) * world + seg // local, stable=True).indices
+    inverse_order, inverse_regroup = _inverse(order), _inverse(regroup)
     rows = exchange_rows(
-        x[order // max(k, 1)], output_splits, input_splits, group, exchange, chosen
-    )
+        take_rows(x, order // max(k, 1), inverse_order, k), output_splits, input_splits,
+        group, exchange, chosen,
+    )  # fmt: skip
     offsets = recv[:, :local].sum(0).cumsum(0).to(device=x.device, dtype=torch.int32)
     handle = DispatchHandle(
-        order, _inverse(order), regroup, _inverse(regroup), input_splits, output_splits,
+        order, inverse_order, regroup, inverse_regroup, input_splits, output_splits,
         offsets, k, t, x.shape[1], group, exchange, chosen,
     )  # fmt: skip
-    return rows[regroup], per_expert, handle
+    return take_rows(rows, regroup, inverse_regroup), per_expert, handle
 
 
 def _check_combine(expert_y, topk_weights, handle: DispatchHandle, exchange) -> None:
@@ -302,10 +305,11 @@ def combine(
     there is no cross-rank check here (it would cost a collective).
     """
     _check_combine(expert_y, topk_weights, handle, exchange)
-    y = expert_y[handle.inverse_regroup]
+    y = take_rows(expert_y, handle.inverse_regroup, handle.regroup)
     back = exchange_rows(
         y, handle.input_splits, handle.output_splits, handle.group,
         exchange or handle.exchange, handle.transport,
     )  # fmt: skip
-    slots = back[handle.inverse_order].view(handle.num_tokens, handle.top_k, expert_y.shape[1])
-    return (slots * topk_weights.unsqueeze(-1).to(slots.dtype)).sum(1)
+    slots = take_rows(back, handle.inverse_order, handle.order)
+    slots = slots.view(handle.num_tokens, handle.top_k, expert_y.shape[1])
+    return weighted_slot_sum(slots, topk_weights)

@@ -1,0 +1,50 @@
+"""The row gathers of dispatch and combine, with a backward that knows the inverse.
+
+``x[index]`` differentiates through index_put_(accumulate=True): a zero fill, a sort of the
+index and a scatter-add. Dispatch and combine gather by permutations whose inverses they
+already hold, so here the backward is one more gather (plus, where every row was taken
+``repeats`` times, a sum over those copies), and combine's weighted sum over the top-k
+slots is one batched matrix product instead of a broadcast multiply and a sum.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class _TakeRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, index, inverse, repeats):
+        ctx.save_for_backward(inverse)
+        ctx.rows, ctx.repeats = x.shape[0], repeats
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        if ctx.repeats == 0:  # nothing was taken
+            return grad.new_zeros((ctx.rows, *grad.shape[1:])), None, None, None
+        g = grad.index_select(0, inverse)
+        if ctx.repeats != 1:
+            g = g.view(ctx.rows, ctx.repeats, *grad.shape[1:]).sum(1)
+        return g, None, None, None
+
+
+def take_rows(
+    x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, repeats: int = 1
+) -> torch.Tensor:
+    """x[index], differentiable in x, for ``index`` = perm // repeats with perm a permutation
+    of range(x.shape[0] * repeats) and ``inverse`` its inverse (repeats 1: index is the
+    permutation itself).
+
+    x: [R, ...]; index, inverse: int64 [R * repeats] on x's device. Returns [R * repeats, ...]
+    in x's dtype. Backward: grad_x[r] = sum over j < repeats of grad[inverse[r * repeats + j]].
+    """
+    return _TakeRows.apply(x, index, inverse, repeats)
+
+
+def weighted_slot_sum(slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """slots [T, k, H], weights [T, k] (cast to slots' dtype) -> [T, H] in slots' dtype:
+    out[t] = sum_j weights[t, j] * slots[t, j], as one batched product (sums in fp32 for
+    bf16 / fp16 slots, one rounding)."""
+    return torch.bmm(weights.to(slots.dtype).unsqueeze(1), slots).squeeze(1)
