@@ -32,7 +32,8 @@ import torch.distributed._functional_collectives as funcol
 from ..exchange.api import to_mxfp8_a2a_dequant
 from ..exchange.checks import comm_device, group_rank_and_size, raise_on_every_rank
 from ..exchange.transport import Transport, resolve
-from .rows import take_rows, weighted_slot_sum
+from .rows import take_rows
+from .slot_sum import slot_sum
 
 EXCHANGES = ("mxfp8", "bf16")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # else code 0
@@ -310,6 +311,4 @@ def combine(
         y, handle.input_splits, handle.output_splits, handle.group,
         exchange or handle.exchange, handle.transport,
     )  # fmt: skip
-    slots = take_rows(back, handle.inverse_order, handle.order)
-    slots = slots.view(handle.num_tokens, handle.top_k, expert_y.shape[1])
-    return weighted_slot_sum(slots, topk_weights)
+    return slot_sum(back, handle.inverse_order.view(handle.num_tokens, handle.top_k), topk_weights)

@@ -3,8 +3,8 @@
 ``x[index]`` differentiates through index_put_(accumulate=True): a zero fill, a sort of the
 index and a scatter-add. Dispatch and combine gather by permutations whose inverses they
 already hold, so here the backward is one more gather (plus, where every row was taken
-``repeats`` times, a sum over those copies), and combine's weighted sum over the top-k
-slots is one batched matrix product instead of a broadcast multiply and a sum.
+``repeats`` times, a sum over those copies). Combine's last gather and its weighted sum over
+the top-k slots are one kernel (slot_sum.py).
 """
 
 from __future__ import annotations
@@ -41,10 +41,3 @@ def take_rows(
     in x's dtype. Backward: grad_x[r] = sum over j < repeats of grad[inverse[r * repeats + j]].
     """
     return _TakeRows.apply(x, index, inverse, repeats)
-
-
-def weighted_slot_sum(slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """slots [T, k, H], weights [T, k] (cast to slots' dtype) -> [T, H] in slots' dtype:
-    out[t] = sum_j weights[t, j] * slots[t, j], as one batched product (sums in fp32 for
-    bf16 / fp16 slots, one rounding)."""
-    return torch.bmm(weights.to(slots.dtype).unsqueeze(1), slots).squeeze(1)

@@ -1,0 +1,108 @@
+"""Combine's weighted slot sum (mxfp8_a2a.moe.slot_sum) against its plain-torch reference:
+the forward and the rows' gradient bit for bit (bf16 products are exact in fp32, the sums
+run in the same order), the weights' gradient against an fp64 sum; rows of many magnitudes
+with NaN, inf, zeros, tiny and huge values, odd widths, k of 0 and 1, no tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import KERNEL_DEVICES, fresh_generator
+from per_group_data import make_input
+
+from mxfp8_a2a.moe import slot_sum as ss
+
+SHAPES = [(5, 3, 40), (7, 1, 64), (3, 8, 100), (4, 2, 2081), (2, 8, 7168), (9, 4, 17)]
+
+
+def _case(t, k, h, device, g, special=True):
+    rows = make_input((t * k, h), torch.bfloat16, device, g) if special else None
+    if rows is None:
+        rows = (torch.randn(t * k, h, generator=g) * 4).to(torch.bfloat16).to(device)
+    pos = torch.randperm(t * k, generator=g).view(t, k).to(device)
+    weights = torch.rand(t, k, generator=g)
+    weights[0, 0] = 0.0  # a zero weight on the NaN / inf row
+    return rows, pos, weights.to(device)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_forward_matches_reference(device, shape):
+    rows, pos, weights = _case(*shape, device, fresh_generator())
+    got = ss.slot_sum(rows, pos, weights)
+    want = ss.slot_sum_reference(rows, pos, weights)
+    assert got.dtype == torch.bfloat16 and got.shape == (shape[0], shape[2])
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("weights_dtype", [torch.float32, torch.bfloat16])
+def test_backward_matches_reference(device, shape, weights_dtype):
+    t, k, h = shape
+    g = fresh_generator()
+    rows, pos, weights = _case(t, k, h, device, g, special=False)
+    weights = weights.to(weights_dtype)
+    grad = torch.randn(t, h, generator=g).to(torch.bfloat16).to(device)
+    r, w = rows.clone().requires_grad_(), weights.clone().requires_grad_()
+    ss.slot_sum(r, pos, w).backward(grad)
+    r_ref = rows.clone().requires_grad_()
+    ss.slot_sum_reference(r_ref, pos, weights).backward(grad)
+    torch.testing.assert_close(r.grad, r_ref.grad, rtol=0, atol=0)
+    # grad_w[t, j] = <grad[t], rows[pos[t, j]]>, in fp32 by the kernel: against fp64
+    prods = grad.double()[:, None, :] * rows.double()[pos]
+    want = prods.sum(-1)
+    assert w.grad.dtype == weights_dtype
+    tol = prods.abs().sum(-1) * 2e-6 + (2**-8 * want.abs() if weights_dtype != torch.float32 else 0)
+    assert ((w.grad.double() - want).abs() <= tol).all(), (w.grad, want)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_edge_shapes(device):
+    """No tokens, k = 0 (zeros, and zero gradients), width 1."""
+    g = fresh_generator()
+    rows = torch.zeros(0, 64, dtype=torch.bfloat16, device=device, requires_grad=True)
+    out = ss.slot_sum(rows, torch.zeros(0, 2, dtype=torch.int64, device=device), torch.zeros(0, 2))
+    assert out.shape == (0, 64)
+    w = torch.rand(3, 0, device=device, requires_grad=True)
+    out = ss.slot_sum(rows, torch.zeros(3, 0, dtype=torch.int64, device=device), w)
+    assert out.shape == (3, 64) and not out.any()
+    out.sum().backward()
+    assert rows.grad.shape == (0, 64) and w.grad.shape == (3, 0)
+    rows, pos, weights = _case(6, 2, 1, device, g, special=False)
+    torch.testing.assert_close(
+        ss.slot_sum(rows, pos, weights), ss.slot_sum_reference(rows, pos, weights), rtol=0, atol=0
+    )
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_which_path(device, monkeypatch):
+    """bf16 rows with fp32 / bf16 / fp16 weights take the kernels, other dtypes the reference."""
+    taken = []
+    op = ss._slot_sum_op
+    monkeypatch.setattr(ss, "_slot_sum_op", lambda *a: taken.append("kernel") or op(*a))
+    rows, pos, weights = _case(4, 2, 32, device, fresh_generator(), special=False)
+    for r, w in ((rows, weights), (rows, weights.half()), (rows.float(), weights)):
+        ss.slot_sum(r, pos, w)
+    ss.slot_sum(rows, pos, weights.double())
+    assert taken == ["kernel", "kernel"]
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_ops_pass_opcheck(device):
+    rows, pos, weights = _case(4, 3, 48, device, fresh_generator(), special=False)
+    torch.library.opcheck(ss._slot_sum_op, (rows, pos, weights))
+    grad = torch.randn(4, 48).to(torch.bfloat16).to(device)
+    torch.library.opcheck(ss._slot_sum_backward_op, (grad, rows, pos, weights))
+
+
+def test_reference_without_kernels():
+    """Rows other than bf16 (here fp32 and fp64, on CPU): the reference, differentiable."""
+    g = fresh_generator()
+    rows = torch.randn(6, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    pos = torch.randperm(6, generator=g).view(3, 2)
+    w = torch.rand(3, 2, generator=g, dtype=torch.float64, requires_grad=True)
+    torch.autograd.gradcheck(ss.slot_sum, (rows, pos, w))
+    out = ss.slot_sum(rows.float(), pos, w.float())
+    want = (w.float()[:, :, None] * rows.float()[pos]).sum(1)
+    torch.testing.assert_close(out, want)
