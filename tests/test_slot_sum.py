@@ -103,6 +103,12 @@ def test_reference_without_kernels():
     pos = torch.randperm(6, generator=g).view(3, 2)
     w = torch.rand(3, 2, generator=g, dtype=torch.float64, requires_grad=True)
     torch.autograd.gradcheck(ss.slot_sum, (rows, pos, w))
+    empty = torch.zeros(0, 5, dtype=torch.float64, requires_grad=True)
+    w0 = torch.zeros(3, 0, dtype=torch.float64, requires_grad=True)
+    out = ss.slot_sum(empty, pos[:, :0], w0)  # k = 0: zeros that backward reaches
+    assert out.shape == (3, 5) and not out.any() and out.requires_grad
+    out.sum().backward()
+    assert empty.grad.shape == (0, 5) and w0.grad.shape == (3, 0)
     out = ss.slot_sum(rows.float(), pos, w.float())
     want = (w.float()[:, :, None] * rows.float()[pos]).sum(1)
     torch.testing.assert_close(out, want)

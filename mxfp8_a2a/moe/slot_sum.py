@@ -93,6 +93,8 @@ def slot_sum_reference(rows: torch.Tensor, pos: torch.Tensor, weights: torch.Ten
     in rows' dtype, sums over j in order in fp32 (fp64 for fp64 rows)."""
     acc_dtype = torch.promote_types(rows.dtype, torch.float32)
     w = weights.to(rows.dtype).to(acc_dtype)
+    if pos.shape[1] == 0:  # zeros, still a function of rows and weights (empty sums)
+        return (rows.to(acc_dtype).sum(0) + w.sum(1, keepdim=True)).to(rows.dtype)
     acc = rows.new_zeros((pos.shape[0], rows.shape[1]), dtype=acc_dtype)
     for j in range(pos.shape[1]):
         acc = acc + w[:, j : j + 1] * rows.index_select(0, pos[:, j]).to(acc_dtype)
