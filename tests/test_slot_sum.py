@@ -94,6 +94,7 @@ def test_ops_pass_opcheck(device):
     torch.library.opcheck(ss._slot_sum_op, (rows, pos, weights))
     grad = torch.randn(4, 48).to(torch.bfloat16).to(device)
     torch.library.opcheck(ss._slot_sum_backward_op, (grad, rows, pos, weights))
+    torch.library.opcheck(ss._row_sums_op, (rows, pos))
 
 
 def test_reference_without_kernels():
@@ -112,3 +113,24 @@ def test_reference_without_kernels():
     out = ss.slot_sum(rows.float(), pos, w.float())
     want = (w.float()[:, :, None] * rows.float()[pos]).sum(1)
     torch.testing.assert_close(out, want)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("shape", [(5, 3, 40), (3, 8, 100), (4, 2, 2081), (6, 0, 16), (0, 2, 8)])
+def test_row_sums_match_reference(device, shape):
+    """row_sums: the unit-weight kernel, bit for bit a sum over j in order in fp32."""
+    t, k, h = shape
+    g = fresh_generator()
+    rows = make_input((t * k, h), torch.bfloat16, device, g) if t * k and h >= 9 else None
+    if rows is None:
+        rows = torch.randn(t * k, h, generator=g).to(torch.bfloat16).to(device)
+    pos = torch.randperm(t * k, generator=g).view(t, k).to(device)
+    want = torch.zeros(t, h, dtype=torch.float32, device=device)
+    for j in range(k):
+        want = want + rows[pos[:, j]].float()
+    got = ss.row_sums(rows, pos)
+    assert got.dtype == torch.bfloat16 and got.shape == (t, h)
+    torch.testing.assert_close(got, want.to(torch.bfloat16), rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(
+        ss.row_sums(rows.float(), pos), want, rtol=1e-6, atol=0, equal_nan=True
+    )

@@ -2,14 +2,17 @@
 
 ``x[index]`` differentiates through index_put_(accumulate=True): a zero fill, a sort of the
 index and a scatter-add. Dispatch and combine gather by permutations whose inverses they
-already hold, so here the backward is one more gather (plus, where every row was taken
-``repeats`` times, a sum over those copies). Combine's last gather and its weighted sum over
-the top-k slots are one kernel (slot_sum.py).
+already hold, so here the backward is one more gather; where every row was taken
+``repeats`` times, a gather and a sum over the copies in one kernel (slot_sum.row_sums).
+Combine's last gather and its weighted sum over the top-k slots are one kernel too
+(slot_sum.py).
 """
 
 from __future__ import annotations
 
 import torch
+
+from .slot_sum import row_sums
 
 
 class _TakeRows(torch.autograd.Function):
@@ -24,10 +27,9 @@ class _TakeRows(torch.autograd.Function):
         (inverse,) = ctx.saved_tensors
         if ctx.repeats == 0:  # nothing was taken
             return grad.new_zeros((ctx.rows, *grad.shape[1:])), None, None, None
-        g = grad.index_select(0, inverse)
-        if ctx.repeats != 1:
-            g = g.view(ctx.rows, ctx.repeats, *grad.shape[1:]).sum(1)
-        return g, None, None, None
+        if ctx.repeats == 1:
+            return grad.index_select(0, inverse), None, None, None
+        return row_sums(grad, inverse.view(ctx.rows, ctx.repeats)), None, None, None
 
 
 def take_rows(

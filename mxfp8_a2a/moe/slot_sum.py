@@ -16,7 +16,9 @@ over the hidden axis in tiles, in another order than torch (equal to fp32 roundi
 Layers: ``_slot_sum_kernel`` / ``_slot_sum_backward_kernel`` -> the custom ops
 ``mxfp8_a2a::slot_sum`` / ``slot_sum_backward`` (checks, allocation, grid; autograd
 registered) -> :func:`slot_sum`, which takes the plain-torch reference for rows other than
-bf16 and where the kernels do not run.
+bf16 and where the kernels do not run. The forward kernel with unit weights is also
+``mxfp8_a2a::row_sums`` -> :func:`row_sums` (the backward of dispatch's gather of k copies
+per token, rows.py).
 """
 
 from __future__ import annotations
@@ -42,10 +44,12 @@ def _weight(w_ptr, i, mask, SOFT: tl.constexpr):
 @triton.jit
 def _slot_sum_kernel(
     rows_ptr, pos_ptr, w_ptr, out_ptr, n_tokens, hidden,
-    K: tl.constexpr, SOFT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    K: tl.constexpr, UNIT: tl.constexpr, SOFT: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):  # fmt: skip
-    """rows bf16 [N, hidden], pos int64 [n_tokens, K], w [n_tokens, K] -> out bf16
-    [n_tokens, hidden]. Program (i, c): tokens [i * BLOCK_T, ...), columns [c * BLOCK_H, ...)."""
+    """rows bf16 [N, hidden], pos int64 [n_tokens, K], w [n_tokens, K] (UNIT: none, all 1)
+    -> out bf16 [n_tokens, hidden]. Program (i, c): tokens [i * BLOCK_T, ...), columns
+    [c * BLOCK_H, ...)."""
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     tmask = t < n_tokens
@@ -54,7 +58,10 @@ def _slot_sum_kernel(
     for j in tl.static_range(K):
         p = tl.load(pos_ptr + t * K + j, mask=tmask, other=0)
         r = tl.load(rows_ptr + p[:, None] * hidden + h[None, :], mask=mask, other=0.0)
-        acc += _weight(w_ptr, t * K + j, tmask, SOFT)[:, None] * to_fp32(r, SOFT)
+        if UNIT:
+            acc += to_fp32(r, SOFT)
+        else:
+            acc += _weight(w_ptr, t * K + j, tmask, SOFT)[:, None] * to_fp32(r, SOFT)
     tl.store(out_ptr + t[:, None] * hidden + h[None, :], fp32_to_bf16(acc, SOFT), mask=mask)
 
 
@@ -119,7 +126,8 @@ def _slot_sum_op(rows: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor) -
     bt, bh = _grid_sizes(rows.shape[1], soft)
     _slot_sum_kernel[(cdiv(n_tokens, bt), cdiv(rows.shape[1], bh))](
         rows, pos, weights, out, n_tokens, rows.shape[1],
-        K=k, SOFT=soft, BLOCK_T=bt, BLOCK_H=bh, num_warps=_config.SLOT_SUM_NUM_WARPS,
+        K=k, UNIT=False, SOFT=soft, BLOCK_T=bt, BLOCK_H=bh,
+        num_warps=_config.SLOT_SUM_NUM_WARPS,
     )  # fmt: skip
     return out
 
@@ -183,3 +191,38 @@ def slot_sum(rows: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor) -> to
     ):
         return _slot_sum_op(rows.contiguous(), pos.contiguous(), weights.contiguous())
     return slot_sum_reference(rows, pos, weights)
+
+
+@torch.library.custom_op("mxfp8_a2a::row_sums", mutates_args=())
+def _row_sums_op(rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    n_tokens, k = pos.shape
+    out = (
+        rows.new_zeros((n_tokens, rows.shape[1]))
+        if k == 0
+        else rows.new_empty((n_tokens, rows.shape[1]))
+    )
+    if out.numel() and k:
+        soft = rows.device.type == "cpu"
+        bt, bh = _grid_sizes(rows.shape[1], soft)
+        _slot_sum_kernel[(cdiv(n_tokens, bt), cdiv(rows.shape[1], bh))](
+            rows, pos, rows, out, n_tokens, rows.shape[1], K=k, UNIT=True, SOFT=soft,
+            BLOCK_T=bt, BLOCK_H=bh, num_warps=_config.SLOT_SUM_NUM_WARPS,
+        )  # fmt: skip
+    return out
+
+
+@_row_sums_op.register_fake
+def _(rows, pos):
+    return rows.new_empty((pos.shape[0], rows.shape[1]))
+
+
+def row_sums(rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """out[t] = sum_j rows[pos[t, j]] (not differentiable; take_rows' backward): rows [N, H],
+    pos int64 [T, k] -> [T, H] in rows' dtype. bf16 rows take the kernel (fp32 sums over j
+    in order, one rounding), others index_select and a sum."""
+    if rows.dtype == torch.bfloat16 and (
+        rows.device.type == "cuda" or interpreted(_slot_sum_kernel)
+    ):
+        return _row_sums_op(rows.contiguous(), pos.contiguous())
+    t, k = pos.shape
+    return rows.index_select(0, pos.reshape(-1)).view(t, k, *rows.shape[1:]).sum(1)
