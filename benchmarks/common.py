@@ -46,7 +46,7 @@ def do_bench_ms(fn: Callable[[], object], warmup_ms: int = 50, rep_ms: int = 300
 def warm_gpu(fn: Callable[[], object] | None = None, seconds: float = 2.0) -> None:
     """Run ``fn`` (default: a 256 MiB device copy) for ``seconds`` before any timing. On a
     freshly started H200 (SM clock at 345 MHz when idle) the first kernel timed after 250 ms
-    of warm-up still measured 35% slow (BENCHMARKS.md, per-group scaling, eighth session)."""
+    of warm-up still measured 35% slow (2026-11-30)."""
     if fn is None:
         src = torch.empty(128 << 20, dtype=torch.bfloat16, device="cuda")
         dst = torch.empty_like(src)

@@ -1,8 +1,9 @@
 """Launching the cast kernels with little host work.
 
 ``kernel[grid](...)`` (Triton's public launch) binds and specializes every argument in
-Python on each call: about 30 us of host time per launch on the H200 machines' CPUs, where
-the compiled kernel's own launcher takes about 13 us (BENCHMARKS.md). An exchange launches
+Python on each call: 30-35 us of host time per launch on the H200 machines' CPUs (triton 3.6;
+35 us for an empty kernel of 18 arguments, 2026-12-02), where the compiled kernel's own
+launcher took about 13 us when this path was written (by 2026-12-01). An exchange launches
 two or three kernels, and small exchanges are bound by host time. So, on the Triton versions
 in ``FAST_TRITON`` (the ones this path has run on, on a GPU), :func:`launch` keeps the
 ``CompiledKernel`` that the first ``kernel[grid](...)`` returned (alive in the cache) and calls
