@@ -134,3 +134,19 @@ def test_row_sums_match_reference(device, shape):
     torch.testing.assert_close(
         ss.row_sums(rows.float(), pos), want, rtol=1e-6, atol=0, equal_nan=True
     )
+
+
+def test_bad_arguments_raise():
+    rows = torch.zeros(6, 4, dtype=torch.bfloat16)
+    pos, w = torch.arange(6).view(3, 2), torch.ones(3, 2)
+    for args, match in (
+        ((rows, pos.int(), w), "int64"),
+        ((rows[:5], pos, w), "one index per row"),
+        ((rows, pos, w[:2]), "weights must be"),
+        ((rows, pos, w.long()), "weights must be"),
+        ((rows[0], pos, w), "rows must be"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            ss.slot_sum(*args)
+    with pytest.raises(ValueError, match="one index per row"):
+        ss.row_sums(rows, pos[:2])

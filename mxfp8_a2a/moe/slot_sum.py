@@ -175,15 +175,38 @@ def _backward(ctx, grad):
 _slot_sum_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _check(rows: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor | None) -> None:
+    """Shapes, dtypes and devices (pos's values are not read: the caller builds it)."""
+    if rows.dim() != 2 or pos.dim() != 2 or pos.dtype != torch.int64:
+        raise ValueError(
+            f"rows must be [N, H] and pos int64 [T, k], got rows {tuple(rows.shape)}, pos "
+            f"{pos.dtype} {tuple(pos.shape)}"
+        )
+    if pos.numel() != rows.shape[0] or pos.device != rows.device:
+        raise ValueError(
+            f"pos [T, k] must hold one index per row of rows (T * k = {pos.numel()}, rows "
+            f"{rows.shape[0]}) on rows' device ({pos.device} vs {rows.device})"
+        )
+    if weights is not None and (
+        weights.shape != pos.shape or weights.device != rows.device
+        or not weights.dtype.is_floating_point
+    ):  # fmt: skip
+        raise ValueError(
+            f"weights must be a floating [T, k] = {tuple(pos.shape)} tensor on {rows.device}, "
+            f"got {weights.dtype} {tuple(weights.shape)} on {weights.device}"
+        )
+
+
 def slot_sum(rows: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """out[t] = sum_j weights[t, j] * rows[pos[t, j]], differentiable in rows and weights.
 
-    rows: [N, H] (N = T * k); pos: int64 [T, k], a permutation of range(N);
-    weights: floating [T, k], rounded to rows' dtype before the products. Returns [T, H] in
-    rows' dtype. bf16 rows with fp32, bf16 or fp16 weights on CUDA (or on CPU under
-    TRITON_INTERPRET=1) take the kernels, anything else the plain-torch reference
-    (``slot_sum_reference``).
+    rows: [N, H] (N = T * k); pos: int64 [T, k], a permutation of range(N) (not checked:
+    combine builds it); weights: floating [T, k], rounded to rows' dtype before the products.
+    Returns [T, H] in rows' dtype. bf16 rows with fp32, bf16 or fp16 weights on CUDA (or on
+    CPU under TRITON_INTERPRET=1) take the kernels, anything else the plain-torch reference
+    (``slot_sum_reference``). Wrong shapes, dtypes or devices raise ValueError.
     """
+    _check(rows, pos, weights)
     if (
         rows.dtype == torch.bfloat16
         and weights.dtype in _WEIGHT_DTYPES
@@ -218,8 +241,9 @@ def _(rows, pos):
 
 def row_sums(rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """out[t] = sum_j rows[pos[t, j]] (not differentiable; take_rows' backward): rows [N, H],
-    pos int64 [T, k] -> [T, H] in rows' dtype. bf16 rows take the kernel (fp32 sums over j
-    in order, one rounding), others index_select and a sum."""
+    pos int64 [T, k] (indices into rows, not checked) -> [T, H] in rows' dtype. bf16 rows take
+    the kernel (fp32 sums over j in order, one rounding), others index_select and a sum."""
+    _check(rows, pos, None)
     if rows.dtype == torch.bfloat16 and (
         rows.device.type == "cuda" or interpreted(_slot_sum_kernel)
     ):
