@@ -34,6 +34,12 @@ def interpreted(kernel) -> bool:
     return type(kernel).__name__ == "InterpretedFunction"
 
 
+def kernels_run_on(device: torch.device, kernel) -> bool:
+    """Whether ``kernel`` runs on tensors of ``device``: CUDA, or CPU under the Triton
+    interpreter (elsewhere the callers take their plain-torch reference)."""
+    return device.type == "cuda" or interpreted(kernel)
+
+
 def resolve_backend(backend: str, device: torch.device, kernel) -> str:
     """Map ``backend`` ("auto", "triton", "torch") to "triton" or "torch" for ``device``."""
     if backend not in BACKENDS:

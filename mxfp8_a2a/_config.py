@@ -100,7 +100,7 @@ ROW_SCALES_MAX_WIDTH = 8192
 
 # Combine's weighted slot sum (moe/slot_sum.py): BLOCK_T tokens per program, the hidden axis
 # in BLOCK_H tiles (forward: one tile per program; backward: a loop over them). H200,
-# 2026-12-02, fwd+bwd over random permutations (results/2026-12-02/dispatch_combine_rows.txt)
+# 2026-12-02, fwd+bwd over random permutations (results/2026-12-02/dispatch_combine_rows_first.txt)
 # at 8192x8x2048 / 4096x8x7168: (4, 1024, 4 warps) 0.844 / 0.767 ms; of 7 others, (2, 2048,
 # 8) 0.641 / 0.905, (2, 1024, 4) 1.015 / 0.613, (16, 256, 4) 0.675 / 0.877: none better at both.
 SLOT_SUM_BLOCK_T = 4

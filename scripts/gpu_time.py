@@ -15,6 +15,7 @@ time). Needs a CUDA GPU.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import statistics
 import sys
@@ -22,16 +23,15 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 import triton
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from bench_per_group_scales import K, M, jagged_offsets  # noqa: E402
-from profile_grouped_mm import SHAPES, expert_inputs, uneven_offsets  # noqa: E402
+from profile_grouped_mm import SHAPES, expert_inputs, experts_step, uneven_offsets  # noqa: E402
 
-from mxfp8_a2a import grouped_mm, per_group_colwise_scales  # noqa: E402
+from mxfp8_a2a import per_group_colwise_scales  # noqa: E402
 
 fr = importlib.import_module("mxfp8_a2a.grouped.fp8_rowwise")
 
@@ -92,12 +92,9 @@ def colwise() -> None:
 
 def experts() -> None:
     for text in SHAPES:
-        x, w1, w2, offs, go = expert_inputs(text)
+        inputs = expert_inputs(text)
         for precision in ("bf16", "fp8_rowwise", "fp8_rowwise_gw_hp"):
-
-            def step(precision=precision, x=x, w1=w1, w2=w2, offs=offs, go=go):
-                h = F.gelu(grouped_mm(x, w1, offs, precision=precision))
-                torch.autograd.backward(grouped_mm(h, w2, offs, precision=precision), go)
+            step = functools.partial(experts_step, *inputs, precision)
 
             for _ in range(3):
                 step()

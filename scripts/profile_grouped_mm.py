@@ -13,6 +13,7 @@ once). A torch.profiler table of one fp8_rowwise step follows (--profile).
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import sys
 from pathlib import Path
@@ -92,6 +93,12 @@ def expert_inputs(text: str):
     return x, w1, w2, offs, go
 
 
+def experts_step(x, w1, w2, offs, go, precision: str) -> None:
+    """One forward+backward of the experts: gelu(x @ w1[e]) @ w2[e], grad go."""
+    h = F.gelu(grouped_mm(x, w1, offs, precision=precision))
+    torch.autograd.backward(grouped_mm(h, w2, offs, precision=precision), go)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--shape", action="append")
@@ -102,14 +109,11 @@ def main() -> None:
     print(versions())
     warm_gpu()
     for text in args.shape or SHAPES:
-        x, w1, w2, offs, go = expert_inputs(text)
-
-        def step(precision, x=x, w1=w1, w2=w2, offs=offs, go=go):
-            h = F.gelu(grouped_mm(x, w1, offs, precision=precision))
-            torch.autograd.backward(grouped_mm(h, w2, offs, precision=precision), go)
-
+        inputs = expert_inputs(text)
+        x, w1, w2, offs, _ = inputs
         whole = {
-            p: bench(lambda p=p: step(p)) for p in ("bf16", "fp8_rowwise", "fp8_rowwise_gw_hp")
+            p: bench(functools.partial(experts_step, *inputs, p))
+            for p in ("bf16", "fp8_rowwise", "fp8_rowwise_gw_hp")
         }
         ratio, ratio_hp = (whole["bf16"] / whole[p] for p in ("fp8_rowwise", "fp8_rowwise_gw_hp"))
         print(
@@ -124,10 +128,10 @@ def main() -> None:
         results.append({"shape": text, "whole_us": whole, "pieces": table})
         if args.profile:
             for _ in range(3):
-                step("fp8_rowwise")
+                experts_step(*inputs, "fp8_rowwise")
             torch.cuda.synchronize()
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                step("fp8_rowwise")
+                experts_step(*inputs, "fp8_rowwise")
                 torch.cuda.synchronize()
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
     write_json(args.json, {"versions": versions(), "results": results})

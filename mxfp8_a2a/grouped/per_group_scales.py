@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .. import _config
-from .._common import cdiv, interpreted, next_pow2, resolve_backend
+from .._common import cdiv, kernels_run_on, next_pow2, resolve_backend
 from .kernels import _row_block_kernel
 from .kernels_colwise import _amax_kernel, _cast_kernel
 from .reference import (
@@ -157,7 +157,7 @@ def _(x, offs, pow2, group_dim, column_major):
 
 def _kernels_run_on(device: torch.device) -> bool:
     """CUDA, or CPU under the Triton interpreter (else the plain-torch reference runs)."""
-    return device.type == "cuda" or interpreted(_cast_kernel)
+    return kernels_run_on(device, _cast_kernel)
 
 
 @torch.library.custom_op("mxfp8_a2a::padded_token_scales", mutates_args=())

@@ -25,8 +25,6 @@ class _TakeRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (inverse,) = ctx.saved_tensors
-        if ctx.repeats == 0:  # nothing was taken
-            return grad.new_zeros((ctx.rows, *grad.shape[1:])), None, None, None
         if ctx.repeats == 1:
             return grad.index_select(0, inverse), None, None, None
         return row_sums(grad, inverse.view(ctx.rows, ctx.repeats)), None, None, None
@@ -39,7 +37,7 @@ def take_rows(
     of range(x.shape[0] * repeats) and ``inverse`` its inverse (repeats 1: index is the
     permutation itself).
 
-    x: [R, ...]; index, inverse: int64 [R * repeats] on x's device. Returns [R * repeats, ...]
-    in x's dtype. Backward: grad_x[r] = sum over j < repeats of grad[inverse[r * repeats + j]].
+    x: [R, H]; index, inverse: int64 [R * repeats] on x's device. Returns [R * repeats, H] in
+    x's dtype. Backward: grad_x[r] = sum over j < repeats of grad[inverse[r * repeats + j]].
     """
     return _TakeRows.apply(x, index, inverse, repeats)

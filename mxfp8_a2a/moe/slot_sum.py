@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from .. import _config
-from .._common import cdiv, interpreted, next_pow2
+from .._common import cdiv, kernels_run_on, next_pow2
 from ..formats.bits import fp32_to_bf16, to_fp32
 
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # exact in fp32
@@ -114,22 +114,25 @@ def _grid_sizes(hidden: int, soft: bool) -> tuple[int, int]:
     return _config.SLOT_SUM_BLOCK_T, min(next_pow2(hidden), _config.SLOT_SUM_BLOCK_H)
 
 
-@torch.library.custom_op("mxfp8_a2a::slot_sum", mutates_args=())
-def _slot_sum_op(rows: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def _forward(rows: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor | None):
+    """The forward kernel's launch: out [T, H] bf16; weights None: all 1 (row_sums)."""
     n_tokens, k = pos.shape
     out = rows.new_empty((n_tokens, rows.shape[1]))
-    if out.numel() == 0:
-        return out
-    if k == 0:
+    if out.numel() == 0 or k == 0:
         return out.zero_()
     soft = rows.device.type == "cpu"
     bt, bh = _grid_sizes(rows.shape[1], soft)
     _slot_sum_kernel[(cdiv(n_tokens, bt), cdiv(rows.shape[1], bh))](
-        rows, pos, weights, out, n_tokens, rows.shape[1],
-        K=k, UNIT=False, SOFT=soft, BLOCK_T=bt, BLOCK_H=bh,
+        rows, pos, rows if weights is None else weights, out, n_tokens, rows.shape[1],
+        K=k, UNIT=weights is None, SOFT=soft, BLOCK_T=bt, BLOCK_H=bh,
         num_warps=_config.SLOT_SUM_NUM_WARPS,
     )  # fmt: skip
     return out
+
+
+@torch.library.custom_op("mxfp8_a2a::slot_sum", mutates_args=())
+def _slot_sum_op(rows: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    return _forward(rows, pos, weights)
 
 
 @_slot_sum_op.register_fake
@@ -143,9 +146,9 @@ def _slot_sum_backward_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     n_tokens, k = pos.shape
     grad_rows = torch.empty_like(rows)
-    grad_w = torch.zeros((n_tokens, k), dtype=torch.float32, device=rows.device)
-    if grad_rows.numel() == 0:
-        return grad_rows, grad_w
+    if grad_rows.numel() == 0:  # (the kernel writes every grad_w entry where it runs)
+        return grad_rows, torch.zeros((n_tokens, k), dtype=torch.float32, device=rows.device)
+    grad_w = torch.empty((n_tokens, k), dtype=torch.float32, device=rows.device)
     soft = rows.device.type == "cpu"
     bt, bh = _grid_sizes(rows.shape[1], soft)
     _slot_sum_backward_kernel[(cdiv(n_tokens, bt),)](
@@ -210,7 +213,7 @@ def slot_sum(rows: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor) -> to
     if (
         rows.dtype == torch.bfloat16
         and weights.dtype in _WEIGHT_DTYPES
-        and (rows.device.type == "cuda" or interpreted(_slot_sum_kernel))
+        and kernels_run_on(rows.device, _slot_sum_kernel)
     ):
         return _slot_sum_op(rows.contiguous(), pos.contiguous(), weights.contiguous())
     return slot_sum_reference(rows, pos, weights)
@@ -218,20 +221,7 @@ def slot_sum(rows: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor) -> to
 
 @torch.library.custom_op("mxfp8_a2a::row_sums", mutates_args=())
 def _row_sums_op(rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    n_tokens, k = pos.shape
-    out = (
-        rows.new_zeros((n_tokens, rows.shape[1]))
-        if k == 0
-        else rows.new_empty((n_tokens, rows.shape[1]))
-    )
-    if out.numel() and k:
-        soft = rows.device.type == "cpu"
-        bt, bh = _grid_sizes(rows.shape[1], soft)
-        _slot_sum_kernel[(cdiv(n_tokens, bt), cdiv(rows.shape[1], bh))](
-            rows, pos, rows, out, n_tokens, rows.shape[1], K=k, UNIT=True, SOFT=soft,
-            BLOCK_T=bt, BLOCK_H=bh, num_warps=_config.SLOT_SUM_NUM_WARPS,
-        )  # fmt: skip
-    return out
+    return _forward(rows, pos, None)
 
 
 @_row_sums_op.register_fake
@@ -244,9 +234,7 @@ def row_sums(rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     pos int64 [T, k] (indices into rows, not checked) -> [T, H] in rows' dtype. bf16 rows take
     the kernel (fp32 sums over j in order, one rounding), others index_select and a sum."""
     _check(rows, pos, None)
-    if rows.dtype == torch.bfloat16 and (
-        rows.device.type == "cuda" or interpreted(_slot_sum_kernel)
-    ):
+    if rows.dtype == torch.bfloat16 and kernels_run_on(rows.device, _slot_sum_kernel):
         return _row_sums_op(rows.contiguous(), pos.contiguous())
     t, k = pos.shape
     return rows.index_select(0, pos.reshape(-1)).view(t, k, *rows.shape[1:]).sum(1)
