@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from moe_reference import moe_reference
 from moe_workers import FFN, HIDDEN, _inputs, _layer, assert_matches_reference
-from robustness_workers import same_error
+from robustness_workers import Renamed, WithSetting, same_error
 
 import mxfp8_a2a as mx
 from mxfp8_a2a.moe.layer import init_moe_weights
@@ -106,6 +106,8 @@ def moe_errors(rank, world):
             dict(x=on(2, x.clone().requires_grad_(), x)),
             r"x.requires_grad differs between ranks \(\[False, False, True",
         ),
+        (dict(transport=on(0, Renamed(), "nccl")), r"the transport \(its class or settings\) "),
+        (dict(transport=WithSetting(on(1, 3, 2))), r"transport \(its class or settings\) differs"),
     ]
     for bad, match in cases:
         args = dict(x=x, topk_ids=ids, num_experts=experts) | bad
@@ -128,6 +130,21 @@ def moe_errors(rank, world):
             raise AssertionError(f"no ValueError for {match}")
     # the group still works
     assert mx.combine(ex, w, handle).shape == (t, 64)
+    # the layer: a bad x on one rank raises on every rank (before its router), then it works
+    layer = mx.ExpertParallelMoE(64, 32, experts, 2)
+    for bad, match in [
+        (torch.randn(t, 96), r"rank 1: x must be a \[tokens, 64\] tensor, got torch.Size\(\[6, 96"),
+        (
+            torch.ones(t, 64, dtype=torch.long),
+            "rank 1: x must be a floating tensor, got torch.int64",
+        ),
+        (torch.randn(64), r"rank 1: x must be a \[tokens, 64\] tensor"),
+    ]:
+        same_error(
+            lambda bad=bad: layer(on(1, bad, x)),
+            r"dispatch: bad arguments on rank\(s\) \[1\] .*" + match,
+        )
+    assert layer(x).shape == (t, 64)
 
 
 def combine_bad_rows_on_one_rank(rank, world):

@@ -8,7 +8,7 @@ Autograd flows through both (the exchanges' backward is the reverse exchange).
 
 Collectives and host syncs: ``dispatch`` makes one small all-to-all of per-expert counts
 and one host sync to read the splits that all_to_all_single needs, then the exchange. With
-the counts each rank sends one int64 more: an error flag and what every rank's exchange
+the counts each rank sends two int64 more: an error flag and what every rank's exchange
 must agree on (hidden size, dtype, exchange, transport, whether x records a graph), so that
 bad arguments on one rank, or ranks that disagree, raise the same ValueError on every rank
 before any exchange (only then a second collective brings the bad rank's message). The
@@ -92,12 +92,14 @@ def _inverse(perm: torch.Tensor) -> torch.Tensor:
     return inv
 
 
-def _local_error(x, topk_ids, num_experts, world, exchange) -> str | None:
+def _local_error(x, topk_ids, num_experts, world, exchange, group) -> str | None:
     """What is wrong with this rank's arguments (shapes and types only, no data read)."""
     if exchange not in EXCHANGES:
         return f"exchange must be one of {EXCHANGES}, got {exchange!r}"
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         return f"x must be a 2-D [tokens, hidden] tensor, got {getattr(x, 'shape', type(x))}"
+    if comm_device(group).type == "cuda" and x.device.type != "cuda":
+        return f"x is on {x.device}, and the group's backend (NCCL) takes CUDA tensors; move x"
     if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2:
         return f"topk_ids must be a 2-D [tokens, k] tensor, got {getattr(topk_ids, 'shape', '?')}"
     if topk_ids.shape[0] != x.shape[0]:
@@ -116,25 +118,29 @@ def _local_error(x, topk_ids, num_experts, world, exchange) -> str | None:
     return None
 
 
-# what every rank's exchange must agree on, packed into one int64 by _agreement, the field
-# widths (from the least significant), and the fix when it differs between ranks
+# what every rank's exchange must agree on, sent beside the counts in two int64 columns:
+# _agreement's packed word (fields from the least significant: name, width, fix when it
+# differs between ranks) and a 32-bit code of the transport's class and setting
 _AGREE = (
     ("x.requires_grad", 2, "make x require grad on every rank or on none (else the "
      "backward exchange waits for ranks that recorded no graph)"),
-    ("transport", 16, "pass the same kind of transport, with the same settings, on every rank"),
     ("exchange", 2, "pass the same exchange on every rank"),
     ("x.dtype", 8, "pass x in the same dtype on every rank"),
     ("x.shape[1] (hidden)", None, "pass the same hidden size on every rank"),
 )  # fmt: skip
 
 
-def _agreement(x: torch.Tensor, exchange: str, transport: Transport) -> int:
+def _agreement(x: torch.Tensor, exchange: str, transport: Transport) -> tuple[int, int]:
+    """(hidden / dtype / exchange / grad packed in one word, the transport's code): the crc32
+    of its module, class name and setting; 0 for "bf16", which takes no transport."""
     dtype = _DTYPES.index(x.dtype) + 1 if x.dtype in _DTYPES else 0
-    # the transport's class and setting (row ranges), hashed into the field
-    kind = f"{type(transport).__qualname__}:{transport.setting()}".encode()
-    code = zlib.crc32(kind) % 16 if exchange == "mxfp8" else 0
     grad = int(torch.is_grad_enabled() and x.requires_grad)
-    return (((x.shape[1] * 8 + dtype) * 2 + EXCHANGES.index(exchange)) * 16 + code) * 2 + grad
+    word = ((x.shape[1] * 8 + dtype) * 2 + EXCHANGES.index(exchange)) * 2 + grad
+    if exchange != "mxfp8":
+        return word, 0
+    cls = type(transport)
+    kind = f"{cls.__module__}.{cls.__qualname__}:{transport.setting()!r}"
+    return word, zlib.crc32(kind.encode())
 
 
 def _fields(value: int) -> list[int]:
@@ -145,11 +151,11 @@ def _fields(value: int) -> list[int]:
     return out
 
 
-def _check_agreement(values: list[int]) -> None:
+def _check_agreement(values: list[tuple[int, int]]) -> None:
     """Raise if the ranks' _agreement values differ (every rank sees them all)."""
     if len(set(values)) == 1:
         return
-    per_rank = [_fields(v) for v in values]
+    per_rank = [_fields(v[0]) for v in values]
     for i, (what, _, fix) in reversed(list(enumerate(_AGREE))):  # hidden size first
         got = [f[i] for f in per_rank]
         if len(set(got)) > 1:
@@ -160,6 +166,11 @@ def _check_agreement(values: list[int]) -> None:
             elif what == "x.requires_grad":
                 got = [bool(v) for v in got]
             raise ValueError(f"dispatch: {what} differs between ranks ({got} by rank); {fix}")
+    raise ValueError(
+        "dispatch: the transport (its class or settings) differs between ranks (codes by rank: "
+        f"{[v[1] for v in values]}); pass the same kind of transport, with the same "
+        "settings, on every rank"
+    )
 
 
 def dispatch(
@@ -190,11 +201,27 @@ def dispatch(
     every rank, naming the rank and the argument; the group stays usable. Every rank must
     call it, with the same num_experts.
     """
+    return dispatch_reporting(x, topk_ids, num_experts, group, exchange, transport, None)
+
+
+def dispatch_reporting(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor | None,
+    num_experts: int,
+    group: dist.ProcessGroup | None,
+    exchange: str,
+    transport: str | Transport,
+    problem: str | None,
+) -> tuple[torch.Tensor, list[int], DispatchHandle]:
+    """:func:`dispatch`, with ``problem`` (what the caller found wrong with this rank's
+    arguments, or None) raised like dispatch's own checks: as the same ValueError on every
+    rank, so that a layer whose input is bad on one rank does not leave the others waiting
+    in the counts all-to-all (topk_ids may then be None)."""
     rank, world = group_rank_and_size(group)
     error: Exception | None = None
     try:
         chosen = resolve(transport)
-        problem = _local_error(x, topk_ids, num_experts, world, exchange)
+        problem = problem or _local_error(x, topk_ids, num_experts, world, exchange, group)
         if problem is not None:
             raise ValueError(problem)
         if exchange == "mxfp8":
@@ -202,27 +229,34 @@ def dispatch(
         agree = _agreement(x, exchange, chosen)
     except Exception as e:  # every rank learns of it through the counts all-to-all
         error = e
-    # every rank sends world x (local + 1) counts, also a rank whose arguments are bad;
-    # the last column: 4 * agreement + flag (0 fine, 1 ids out of range, 2 bad arguments)
+    # every rank sends world x (local + 2) counts, also a rank whose arguments are bad; the
+    # last two columns: 4 * agreement word + flag (0 fine, 1 ids out of range, 2 bad
+    # arguments), and the transport's code
     local = max(num_experts // world, 1) if type(num_experts) is int else 1
     dev = comm_device(group)
     if error is None:
         t, k = topk_ids.shape
         flat = topk_ids.reshape(-1).to(torch.int64)
         bad = ((flat < 0) | (flat >= num_experts)).any().reshape(1)
-        counts = torch.bincount(flat.clamp(0, num_experts - 1), minlength=num_experts)
-        flag = bad.add(4 * agree).expand(world, 1)  # bool + int: int64, one kernel as before
-        sent = torch.cat([counts.view(world, local), flag], 1).to(dev)
+        # scatter_add, not bincount: on CUDA bincount reads the ids' min and max on the host
+        counts = flat.new_zeros(num_experts).scatter_add_(
+            0, flat.clamp(0, num_experts - 1), torch.ones_like(flat)
+        )
+        flag = bad.add(4 * agree[0]).expand(world, 1)  # bool + int: int64, one kernel
+        code = flag.new_full((world, 1), agree[1])  # a fill: no copy from the host
+        sent = torch.cat([counts.view(world, local), flag, code], 1).to(dev)
     else:
-        sent = torch.zeros(world, local + 1, dtype=torch.int64, device=dev)
+        sent = torch.zeros(world, local + 2, dtype=torch.int64, device=dev)
         sent[:, local] = 2
     recv = torch.empty_like(sent)
-    dist.all_to_all_single(recv, sent, group=group)  # [src, local expert | flag]
+    dist.all_to_all_single(recv, sent, group=group)  # [src, local expert | flag, code]
     flags_and_sizes = torch.cat(
-        [recv[:, local], sent[:, :local].sum(1), recv[:, :local].sum(1), recv[:, :local].sum(0)]
-    )
+        [recv[:, local:].reshape(-1), sent[:, :local].sum(1), recv[:, :local].sum(1),
+         recv[:, :local].sum(0)]
+    )  # fmt: skip
     sizes = flags_and_sizes.tolist()  # the host sync: all_to_all_single needs the splits
-    flags = [v % 4 for v in sizes[:world]]
+    agreed, sizes = sizes[: 2 * world], sizes[2 * world :]
+    flags = [v % 4 for v in agreed[::2]]
     if any(flags):  # the same on every rank: every rank received every rank's flag
         if error is None and flags[rank] == 1:
             ids = flat[(flat < 0) | (flat >= num_experts)]
@@ -231,13 +265,15 @@ def dispatch(
                 f"(from {ids.min().item()} to {ids.max().item()}); route to existing experts"
             )
         raise_on_every_rank("dispatch", error, group)
-    _check_agreement([v // 4 for v in sizes[:world]])
-    input_splits, output_splits = sizes[world : 2 * world], sizes[2 * world : 3 * world]
-    per_expert = sizes[3 * world :]
+    _check_agreement([(w // 4, c) for w, c in zip(agreed[::2], agreed[1::2], strict=True)])
+    input_splits, output_splits = sizes[:world], sizes[world : 2 * world]
+    per_expert = sizes[2 * world :]
     recv_counts = recv[:, :local].reshape(-1).to(x.device)
     order = torch.sort(flat, stable=True).indices
     # received rows come as (source, expert) segments; regroup to (expert, source)
-    seg = torch.repeat_interleave(torch.arange(world * local, device=x.device), recv_counts)
+    seg = torch.repeat_interleave(
+        torch.arange(world * local, device=x.device), recv_counts, output_size=sum(output_splits)
+    )  # output_size: without it CUDA reads the total on the host
     regroup = torch.sort((seg % local) * world + seg // local, stable=True).indices
     inverse_order, inverse_regroup = _inverse(order), _inverse(regroup)
     rows = exchange_rows(

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from ..exchange.transport import Transport
 from ..grouped.fp8_rowwise import Fp8Weights, fp8_rowwise_weights
 from ..grouped.grouped_mm import PRECISIONS, grouped_mm
-from .dispatch import combine, dispatch
+from .dispatch import combine, dispatch, dispatch_reporting
 
 grouped_mm_module = importlib.import_module("mxfp8_a2a.grouped.grouped_mm")  # not the function
 
@@ -85,11 +85,28 @@ class ExpertParallelMoE(torch.nn.Module):
         self._fp8_weights: dict[tuple, tuple[tuple, Fp8Weights]] | None = None  # fp8_weight_reuse
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] (floating, on the parameters' device) -> [T, hidden] in x's dtype.
+        An x that is not raises the same ValueError on every rank (from dispatch)."""
+        problem = self._input_error(x)
+        if problem is not None:  # no routing: dispatch tells every rank, then raises
+            dispatch_reporting(
+                x, None, self.num_experts, self.group, self.exchange, self.transport, problem
+            )
         weights, ids = route(x @ self.router.to(x.dtype), self.top_k)
         ex, _, handle = dispatch(
             x, ids, self.num_experts, self.group, exchange=self.exchange, transport=self.transport
         )
         return combine(self.experts(ex, handle.expert_offsets), weights, handle)
+
+    def _input_error(self, x) -> str | None:
+        hidden = self.router.shape[0]
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != hidden:
+            return f"x must be a [tokens, {hidden}] tensor, got {getattr(x, 'shape', type(x))}"
+        if not x.dtype.is_floating_point:
+            return f"x must be a floating tensor, got {x.dtype}"
+        if x.device != self.router.device:
+            return f"x is on {x.device}, the layer's parameters on {self.router.device}; move x"
+        return None
 
     def experts(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """This rank's experts on x [N, hidden], rows grouped by local expert with end offsets
