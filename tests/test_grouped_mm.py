@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_utils import run_distributed
+from emulated_gemm import _emulated_op
 from grouped_mm_data import (
     KINDS,
     SQNR_FLOOR_DB,
@@ -32,51 +33,6 @@ import mxfp8_a2a as mx
 from mxfp8_a2a.moe.layer import ExpertParallelMoE, init_moe_weights
 
 # ---------------------------------------------------------------------------- emulation
-
-
-def _meta(t):
-    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-
-
-def emulated_scaled_grouped_mm(a, b, scale_a, scale_b, offs):
-    """torch._scaled_grouped_mm on CPU: its meta checks (layouts, dtypes, scale shapes), the
-    checks only its CUDA source has (16-element trailing dimensions, 16-byte data pointers,
-    the device asserts on offsets), then the product in fp32 with ``(acc * sa) * sb``."""
-    torch._scaled_grouped_mm(
-        *map(_meta, (a, b, scale_a, scale_b)), offs=_meta(offs), out_dtype=torch.bfloat16
-    )
-    assert a.shape[-1] % 16 == 0 and b.shape[-2] % 16 == 0 and b.shape[-1] % 16 == 0
-    assert a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
-    ends = offs.tolist()
-    bounds = list(zip([0] + ends[:-1], ends, strict=True))
-    if b.dim() == 2:  # 2-D x 2-D: groups along the contraction axis
-        k_dim, n_dim = a.shape[0], b.shape[1]
-        out = torch.empty(len(ends), k_dim, n_dim)
-        for e, (lo, hi) in enumerate(bounds):
-            assert hi > lo, "a group must not be empty (asserted by torch <= 2.10 kernels)"
-            assert e == len(ends) - 1 or (hi - lo) % 16 == 0, "TMA: 16-byte group starts"
-            assert hi <= a.shape[1] and hi <= b.shape[0]
-            acc = a[:, lo:hi].float() @ b[lo:hi].float()
-            sa, sb = scale_a[e * k_dim : (e + 1) * k_dim], scale_b[e * n_dim : (e + 1) * n_dim]
-            out[e] = acc * sa[:, None] * sb[None, :]
-        return out.to(torch.bfloat16)
-    out = torch.empty(a.shape[0], b.shape[2])
-    for e, (lo, hi) in enumerate(bounds):
-        assert 0 <= lo <= hi <= a.shape[0]
-        out[lo:hi] = (a[lo:hi].float() @ b[e].float()) * scale_a[lo:hi, None] * scale_b[e][None]
-    return out.to(torch.bfloat16)
-
-
-@torch.library.custom_op("mxfp8_a2a_test::scaled_grouped_mm", mutates_args=())
-def _emulated_op(
-    a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, offs: torch.Tensor
-) -> torch.Tensor:
-    return emulated_scaled_grouped_mm(a, b, sa, sb, offs)
-
-
-@_emulated_op.register_fake
-def _(a, b, sa, sb, offs):
-    return torch._scaled_grouped_mm(a, b, sa, sb, offs=offs, out_dtype=torch.bfloat16)
 
 
 @pytest.fixture
@@ -247,14 +203,30 @@ def test_bad_fp8_weights_raise_clear_errors():
         fr.fp8_rowwise_weights(w[0])
 
 
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+        ),
+    ],
+)
 @pytest.mark.parametrize("precision", gm.PRECISIONS)
-def test_no_rows(precision):
-    dtype = torch.bfloat16 if precision == "fp8_rowwise_gw_hp" else torch.float32
-    x = torch.zeros(0, 32, dtype=dtype, requires_grad=True)
-    w = torch.randn(3, 32, 16, dtype=dtype, requires_grad=True)
-    out = mx.grouped_mm(x, w, torch.zeros(3, dtype=torch.int32), precision=precision)
-    out.sum().backward()
-    assert out.shape == (0, 16) and w.grad.abs().sum() == 0
+@pytest.mark.parametrize("m, k, n", [(0, 32, 16), (20, 0, 16), (20, 32, 0)])
+def test_empty_sizes(device, precision, m, k, n):
+    """No rows, K = 0 or N = 0: zeros (and zero gradients) of the right shapes."""
+    dtype = (
+        torch.bfloat16 if precision == "fp8_rowwise_gw_hp" or device == "cuda" else torch.float32
+    )
+    x = torch.randn(m, k, dtype=dtype, device=device, requires_grad=True)
+    w = torch.randn(3, k, n, dtype=dtype, device=device, requires_grad=True)
+    offs = torch.tensor([0, m // 2, m], dtype=torch.int32, device=device)
+    out = mx.grouped_mm(x, w, offs, precision=precision)
+    out.float().sum().backward()
+    assert out.shape == (m, n) and out.dtype == dtype and not out.any()
+    assert x.grad.shape == x.shape and not x.grad.any()
+    assert w.grad.shape == w.shape and not w.grad.any()
 
 
 def _bad(**change):

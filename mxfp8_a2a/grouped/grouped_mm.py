@@ -207,7 +207,8 @@ def grouped_mm(
     """out[offs[e-1]:offs[e]] = x[offs[e-1]:offs[e]] @ w[e] for every expert e.
 
     Args:
-        x: [M, K] rows grouped by expert (bf16; fp32 also, and fp16 for "bf16").
+        x: [M, K] rows grouped by expert (bf16; fp32 also, and fp16 for "bf16"); M, K and
+            N may be 0 (zeros, zero gradients).
         w: [E, K, N] the experts' weights, x's dtype.
         offs: int32 [E] group end offsets on x's device: non-decreasing, offs[-1] == M; empty
             groups allowed. Not read on the host on CUDA for bf16 inputs and for
@@ -243,6 +244,8 @@ def grouped_mm(
     offs = offs.contiguous()  # the kernels and torch's GEMMs read it densely
     if validate or (offs.device.type == "cpu" and not torch.compiler.is_compiling()):
         _host_bounds(offs, x.shape[0])
+    if w.numel() == 0:  # K or N = 0 (torch's grouped GEMMs reject a 0 inner size): zeros,
+        return x @ w.sum(0)  # and x's gradient zeros, through one plain matmul
     path = gemm_path(x, precision)
     if path == "reference":
         return grouped_mm_reference(x, w, offs, precision=precision)
