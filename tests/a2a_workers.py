@@ -229,3 +229,35 @@ def sqnr_vs_bf16(rank, world, backend, seed):
     (out.float() * w.float()).sum().backward()
 
     return sqnr_db(ref.detach(), out.detach()), sqnr_db(xa.grad, xb.grad)
+
+
+def plain_exchange(rank, world, backend, seed):
+    """exchange.plain.all_to_all_rows (dispatch's exchange="bf16"): every rank's rows arrive
+    in rank order, unchanged, in their dtype; the gradient is the swapped exchange, and the
+    backward is itself differentiable (double backward)."""
+    from mxfp8_a2a.exchange.plain import all_to_all_rows
+
+    dev = device_for(backend)
+    s = split_matrix(world, seed)
+    out_splits = [s[src][rank] for src in range(world)]
+    t = [[s[d][r] for d in range(world)] for r in range(world)]  # splits swapped
+
+    def make_x(src):
+        return rank_input(src, sum(s[src]), 40, torch.bfloat16, seed, dev)
+
+    def make_w(dst):
+        return rank_input(dst, sum(t[dst]), 40, torch.bfloat16, seed + 7, dev)
+
+    def received(rank, s, make):
+        return torch.cat([make(src)[sum(s[src][:rank]) :][: s[src][rank]] for src in range(world)])
+
+    x = make_x(rank).requires_grad_(True)
+    out = all_to_all_rows(x, out_splits, s[rank])
+    assert out.dtype == x.dtype and torch.equal(out.detach(), received(rank, s, make_x))
+    w = make_w(rank).requires_grad_(True)
+    (grad,) = torch.autograd.grad(out, x, w, create_graph=True)
+    assert torch.equal(grad.detach(), received(rank, t, make_w))
+    (grad * grad).sum().backward()  # d/dw |A^T w|^2 = 2 A A^T w = 2 w (A: a permutation)
+    assert torch.equal(w.grad, 2 * w.detach())
+    with torch.no_grad():
+        assert torch.equal(all_to_all_rows(x, out_splits, s[rank]), out.detach())

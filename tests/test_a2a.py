@@ -12,7 +12,14 @@ import random
 import pytest
 import torch
 from a2a_call_workers import bad_input, compiled, edge_cases, graph_capture, memory_flat
-from a2a_workers import exact_forward_backward, exact_large, repeated_calls, routing, sqnr_vs_bf16
+from a2a_workers import (
+    exact_forward_backward,
+    exact_large,
+    plain_exchange,
+    repeated_calls,
+    routing,
+    sqnr_vs_bf16,
+)
 from dist_utils import BACKENDS, run_distributed
 
 import mxfp8_a2a as mx
@@ -49,6 +56,12 @@ def test_exact_forward_backward(backend):
             run_distributed(
                 exact_forward_backward, world, backend, seed, 96, dtype, mode, backend=backend
             )
+
+
+@pytest.mark.parametrize("backend", ANY_GPUS)
+def test_plain_exchange_exact(backend):
+    for world in _worlds(backend):
+        run_distributed(plain_exchange, world, backend, _seed(), backend=backend)
 
 
 @pytest.mark.parametrize("backend", ANY_GPUS[1:])

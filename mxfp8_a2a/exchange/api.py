@@ -4,14 +4,14 @@ Layers: the transport's ``exchange`` (nccl.py, copy_engine.py) -> ``_MXFP8AllToA
 (autograd: the backward is the same exchange with the splits swapped) ->
 ``to_mxfp8_a2a_dequant`` (checks in checks.py, then the Function). Under torch.compile the
 exchange is traced as quantize_packed -> functional all_to_all_single -> dequantize_packed
-(same results; the kept rows then go over the wire too).
+(same results; the kept rows then go over the wire too), where torch has the functional
+collectives (plain.HAS_FUNCOL; else the eager transport runs, a graph break).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
 from .._common import check_float_input, check_scaling_mode
@@ -21,6 +21,7 @@ from ..formats.quantize import quantize_packed
 from . import checks
 from .checks import Splits
 from .nccl import NcclTransport
+from .plain import HAS_FUNCOL, funcol
 from .rows import wire_row
 from .transport import Transport, resolve
 
@@ -59,7 +60,7 @@ def compute_output_splits(
 
 
 def _exchange(x, output_splits, input_splits, group, scaling_mode, transport: Transport):
-    if not torch.compiler.is_compiling():
+    if not (torch.compiler.is_compiling() and HAS_FUNCOL):
         return transport.exchange(x, output_splits, input_splits, group, scaling_mode)
     # the eager transport's wire rows (padded to 16 bytes), so that a rank that runs eager
     # (a graph break, a recompile limit) and one that runs compiled move the same bytes

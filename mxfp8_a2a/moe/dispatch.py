@@ -27,10 +27,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 
 from ..exchange.api import to_mxfp8_a2a_dequant
 from ..exchange.checks import comm_device, group_rank_and_size, raise_on_every_rank
+from ..exchange.plain import all_to_all_rows
 from ..exchange.transport import Transport, resolve
 from .rows import take_rows
 from .slot_sum import slot_sum
@@ -52,10 +52,7 @@ def exchange_rows(
     if exchange == "mxfp8":
         return to_mxfp8_a2a_dequant(x, output_splits, input_splits, group, transport=transport)
     if exchange == "bf16":
-        out = funcol.all_to_all_single_autograd(
-            x, output_splits, input_splits, group or dist.group.WORLD
-        )
-        return funcol.wait_tensor(out)
+        return all_to_all_rows(x, output_splits, input_splits, group)
     raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
 
 
