@@ -75,6 +75,18 @@ def _exact(x, w, offs, grad):
     return out, gx, gw
 
 
+def assert_bf16_grad_w(gw, x, grad, offs):
+    """gw [E, K, N] is x^T grad per group as a bf16 GEMM does it: one fp32 accumulation in
+    any order (products of bf16 values are exact in fp32), then one rounding to bf16. The
+    bound that arithmetic guarantees against the float64 product, whatever the order."""
+    ends = offs.tolist()
+    for e, (lo, hi) in enumerate(zip([0] + ends[:-1], ends, strict=True)):
+        xd, gd = x[lo:hi].double(), grad[lo:hi].double()
+        exact, mag = xd.t() @ gd, xd.abs().t() @ gd.abs()
+        bound = max(hi - lo - 1, 0) * 2**-24 * (1 + 2**-8) * mag + 2**-8 * exact.abs()
+        assert bool(((gw[e].double() - exact).abs() <= bound).all()), e
+
+
 def _close(got, want, precision):
     rtol, atol = TOLERANCES[precision]
     for a, b in zip(got, want, strict=True):

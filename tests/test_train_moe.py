@@ -13,7 +13,6 @@ import functools
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -30,14 +29,13 @@ GPU_ARGS = (
 @functools.cache
 def _final_loss(
     exchange: str, precision: str = "bf16", gpu: bool = False, extra: tuple[str, ...] = ()
-) -> tuple[float, float, dict[str, float]]:
-    """(final training loss, seconds, held-out losses {"own", "bf16"}) of one run."""
+) -> tuple[float, dict[str, float]]:
+    """(final training loss, held-out losses {"own", "bf16"}) of one run."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     ranks = min(2, torch.cuda.device_count()) if gpu else 2
     if not gpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}"]
-    start = time.perf_counter()
     proc = subprocess.run(
         [*cmd, "--standalone", str(SCRIPT), "--exchange", exchange, "--precision", precision]
         + (list(extra) or ["--steps", "60"]),
@@ -46,13 +44,12 @@ def _final_loss(
         text=True,
         timeout=600 if gpu else 240,
     )
-    elapsed = time.perf_counter() - start
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     assert lines[-1].startswith("final loss: "), proc.stdout[-2000:]
     assert lines[-3].startswith("eval loss (") and lines[-2].startswith("eval loss (bf16"), lines
     evals = {"own": float(lines[-3].split(": ")[-1]), "bf16": float(lines[-2].split(": ")[-1])}
-    return float(lines[-1].removeprefix("final loss: ")), elapsed, evals
+    return float(lines[-1].removeprefix("final loss: ")), evals
 
 
 cpu_only = pytest.mark.skipif(
@@ -62,18 +59,16 @@ cpu_only = pytest.mark.skipif(
 
 @cpu_only
 def test_mxfp8_training_tracks_bf16():
-    bf16, t_bf16, _ = _final_loss("bf16")
-    mxfp8, t_mxfp8, _ = _final_loss("mxfp8")
+    bf16, _ = _final_loss("bf16")
+    mxfp8, _ = _final_loss("mxfp8")
     assert abs(mxfp8 - bf16) <= 0.02 * bf16, (bf16, mxfp8)
-    assert max(t_bf16, t_mxfp8) < 60, (t_bf16, t_mxfp8)
 
 
 @cpu_only
 def test_fp8_rowwise_reference_training_tracks_bf16():
-    bf16, _, _ = _final_loss("bf16")
-    fp8, t_fp8, _ = _final_loss("mxfp8", "fp8_rowwise")
+    bf16, _ = _final_loss("bf16")
+    fp8, _ = _final_loss("mxfp8", "fp8_rowwise")
     assert abs(fp8 - bf16) <= 0.02 * bf16, (bf16, fp8)
-    assert t_fp8 < 60, t_fp8
 
 
 @pytest.mark.skipif(not SM90, reason="fp8_rowwise needs an sm_90+ GPU")
@@ -86,8 +81,8 @@ def test_fp8_rowwise_reference_training_tracks_bf16():
     "(mean) on held-out tokens",
 )
 def test_gpu_mxfp8_fp8_rowwise_training_tracks_bf16():
-    bf16, _, _ = _final_loss("bf16", "bf16", True, GPU_ARGS)
-    fp8, _, _ = _final_loss("mxfp8", "fp8_rowwise", True, GPU_ARGS)
+    bf16, _ = _final_loss("bf16", "bf16", True, GPU_ARGS)
+    fp8, _ = _final_loss("mxfp8", "fp8_rowwise", True, GPU_ARGS)
     print(f"final loss: bf16 {bf16:.6f}, mxfp8 + fp8_rowwise {fp8:.6f}")
     assert abs(fp8 - bf16) <= 0.02 * bf16, (bf16, fp8)
 
@@ -98,7 +93,7 @@ def test_gpu_fp8_trained_weights_match_bf16():
     exchanges and experts, score at most 2% above the bf16 run's on held-out tokens: the FP8
     steps train as well as bf16 ones; what the FP8 forward adds is its rounding noise. (One
     sided: on an H200, 2026-12-02, seed 0 scored 2.0% below bf16.)"""
-    _, _, bf16 = _final_loss("bf16", "bf16", True, GPU_ARGS)
-    _, _, fp8 = _final_loss("mxfp8", "fp8_rowwise", True, GPU_ARGS)
+    _, bf16 = _final_loss("bf16", "bf16", True, GPU_ARGS)
+    _, fp8 = _final_loss("mxfp8", "fp8_rowwise", True, GPU_ARGS)
     print(f"held-out loss: bf16 {bf16['bf16']:.6f}, FP8-trained {fp8}")
     assert fp8["bf16"] <= 1.02 * bf16["bf16"], (bf16, fp8)
