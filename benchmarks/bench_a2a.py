@@ -9,10 +9,15 @@ Each timed iteration: barrier, device sync, then CUDA events (host clock on CPU)
 exactly what a training step calls. The median over --iters iterations after warm-up is
 taken per rank, then the max over ranks. Shapes are TOKENSxDIM per rank.
 
+The bf16 baseline is the library's own exchange of unquantized rows
+(mxfp8_a2a.exchange.plain.all_to_all_rows, what dispatch's exchange="bf16" runs).
 Columns: algbw = logical bf16 bytes each rank sends (tokens x dim x 2) / time, in GB/s;
-busbw = algbw * (n-1)/n (nccl-tests all-to-all definitions); SQNR of the forward output and
-of the gradient against the bf16 exchange, in dB; the mxfp8 phases are quantize, exchange
-(the packed uint8 all_to_all_single) and dequantize, each timed alone.
+busbw = algbw * the share of those rows that leave the rank (the max over ranks; (n-1)/n
+with equal splits, as nccl-tests define it); SQNR of the forward output and of the
+gradient against the bf16 exchange, in dB; the mxfp8 phases are quantize, a packed uint8
+all_to_all_single of all rows (the NCCL transport sends only the rows that leave the rank,
+in 16-byte wire rows) and dequantize, each timed alone. --splits: equal, skewed (each rank
+keeps the most; every rank receives the same total) or hot (rank 0 receives the most).
 --transport picks the MXFP8 transports compared: nccl (default), copy_engine (automatic row
 ranges) or copy_engine:R (R row ranges); repeat to compare.
 
@@ -34,6 +39,7 @@ from tabulate import tabulate
 
 import mxfp8_a2a as mx
 from mxfp8_a2a._torchrun import capture_graph, init_from_torchrun
+from mxfp8_a2a.exchange.plain import all_to_all_rows
 from mxfp8_a2a.formats.dequantize import dequantize_packed
 from mxfp8_a2a.formats.quantize import quantize_packed
 
@@ -41,32 +47,32 @@ GPU_SHAPES = [f"{t}x5120" for t in (256, 2048, 8192, 16384, 32768, 65536, 131072
 CPU_SHAPES = ["256x512"]
 
 
-class _Bf16AllToAll(torch.autograd.Function):
-    """The bf16 baseline: all_to_all_single forward, the same with splits swapped backward."""
-
-    @staticmethod
-    def forward(ctx, x, out_splits, in_splits):
-        ctx.splits = (out_splits, in_splits)
-        out = x.new_empty((sum(out_splits), x.shape[1]))
-        dist.all_to_all_single(out, x, out_splits, in_splits)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        out_splits, in_splits = ctx.splits
-        gx = grad.new_empty((sum(in_splits), grad.shape[1]))
-        dist.all_to_all_single(gx, grad.contiguous(), in_splits, out_splits)
-        return gx, None, None
-
-
 def make_splits(tokens: int, world: int, rank: int, kind: str) -> list[int]:
+    """Rows this rank sends to each rank. "equal"; "skewed": destination j counted from this
+    rank gets weight 1 / (j + 1) (every rank keeps the most and receives the same total);
+    "hot": destination j gets weight 1 / (j + 1) on every rank (rank 0 receives the most,
+    as a rank holding popular experts does)."""
     if kind == "equal":
         base = [tokens // world] * world
-    else:  # Zipf-like: destination j (counted from this rank) gets weight 1 / (j + 1)
-        w = [1.0 / (((j - rank) % world) + 1) for j in range(world)]
+    else:
+        w = [1.0 / ((j - rank if kind == "skewed" else j) % world + 1) for j in range(world)]
         base = [int(tokens * v / sum(w)) for v in w]
     base[rank] += tokens - sum(base)
     return base
+
+
+def wire_fraction(in_splits: list[int], out_splits: list[int], rank: int) -> dict[str, float]:
+    """Per direction, the share of the rows a rank sends that leave it (the max over ranks),
+    for busbw: (n - 1) / n with equal splits, as nccl-tests count it."""
+    fractions = []
+    for sent in (in_splits, out_splits):  # forward, then backward (splits swapped)
+        fractions.append((sum(sent) - sent[rank]) / max(sum(sent), 1))
+    t = torch.tensor(fractions, dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    fwd, bwd = t.tolist()
+    return {"fwd": fwd, "bwd": bwd, "fwd+bwd": (fwd + bwd) / 2}
 
 
 def time_directions(name, f, x, grad, timer) -> dict:
@@ -117,8 +123,8 @@ def bench_shape(tokens, dim, kind, timer, device, mode, transports, graphs=False
     x = torch.randn(tokens, dim, device=device, dtype=torch.bfloat16)
     grad = torch.randn(sum(out_splits), dim, device=device, dtype=torch.bfloat16)
 
-    def bf16(x_):
-        return _Bf16AllToAll.apply(x_, out_splits, in_splits)
+    def bf16(x_):  # the library's own bf16 exchange (dispatch's exchange="bf16")
+        return all_to_all_rows(x_, out_splits, in_splits)
 
     def mxfp8(transport):
         return lambda x_: mx.to_mxfp8_a2a_dequant(
@@ -140,9 +146,10 @@ def bench_shape(tokens, dim, kind, timer, device, mode, transports, graphs=False
         res["sqnr_fwd_db"] = sqnr_db(bf16(x), mx.to_mxfp8_a2a_dequant(x, out_splits, in_splits))
         # the backward exchange: the gradient goes the other way, with the splits swapped
         back = mx.to_mxfp8_a2a_dequant(grad, in_splits, out_splits)
-        res["sqnr_bwd_db"] = sqnr_db(_Bf16AllToAll.apply(grad, in_splits, out_splits), back)
+        res["sqnr_bwd_db"] = sqnr_db(all_to_all_rows(grad, in_splits, out_splits), back)
     res["bytes_per_rank_bf16"] = tokens * dim * 2
     res["bytes_per_rank_mxfp8"] = tokens * mx.packed_row_bytes(dim)
+    res["wire_fraction"] = wire_fraction(in_splits, out_splits, rank)
     return res
 
 
@@ -153,7 +160,7 @@ def table_rows(shape: str, kind: str, r: dict, world: int, labels) -> list[list]
             b, m = r[f"bf16 {phase}"], r[f"mxfp8 {label} {phase}"]
             nbytes = r["bytes_per_rank_bf16"] * factor
             algbw_b, algbw_m = nbytes / b / 1e6, nbytes / m / 1e6
-            bus = (world - 1) / world
+            bus = r["wire_fraction"][phase]
             sqnr = r["sqnr_bwd_db"] if phase == "bwd" else r["sqnr_fwd_db"]
             if phase == "fwd+bwd":
                 sqnr = min(r["sqnr_fwd_db"], r["sqnr_bwd_db"])
@@ -190,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--shape", action="append", help="TOKENSxDIM per rank (repeatable)")
-    p.add_argument("--splits", choices=["equal", "skewed"], default="equal")
+    p.add_argument("--splits", choices=["equal", "skewed", "hot"], default="equal")
     p.add_argument("--iters", type=int, default=20, help="timed iterations (median; default 20)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument(
@@ -224,6 +231,9 @@ def main(argv: list[str] | None = None) -> None:
         "world_size": world,
         "splits": args.splits,
         "scaling_mode": args.scaling_mode,
+        "iters": args.iters,
+        "warmup": args.warmup,
+        "argv": sys.argv[1:] if argv is None else argv,
     }
     info["NCCL_P2P_DISABLE"] = os.environ.get("NCCL_P2P_DISABLE", "0")
     info["transports"] = list(transports)
@@ -247,7 +257,7 @@ def main(argv: list[str] | None = None) -> None:
         phases = [
             [s, r["quant"], r["exchange"], r["dequant"], r["bf16 fwd"]] for s, r in results.items()
         ]
-        print("\nmxfp8 phases, forward (ms, each timed alone):")
+        print("\nmxfp8 phases, forward (ms, each timed alone; the exchange of all rows, packed):")
         print(
             tabulate(
                 phases,

@@ -23,8 +23,9 @@ def bench_shape(m: int, k: int) -> list[dict]:
     data, scales = mx.quantize(x)
     packed = mx.quantize_packed(x)
     copy_dst = torch.empty_like(x)
-    q_ref = torch.compile(mx.quantize_reference)
-    dq_ref = torch.compile(mx.dequantize_reference)
+    # static shapes: one compile per shape (not a dynamic-shape recompile from the second on)
+    q_ref = torch.compile(mx.quantize_reference, dynamic=False)
+    dq_ref = torch.compile(mx.dequantize_reference, dynamic=False)
     n = m * k
     q_bytes = 2 * n + n + n // 32
     rows = [
@@ -41,7 +42,9 @@ def bench_shape(m: int, k: int) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--shape", action="append", help="MxK (repeatable); default: %(default)s")
+    p.add_argument(
+        "--shape", action="append", help=f"MxK (repeatable); default: {' '.join(DEFAULT_SHAPES)}"
+    )
     p.add_argument("--json", help="write the results to this JSON file")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():

@@ -5,10 +5,11 @@ bound by it), bf16 vs MXFP8.
 
 For each case, ``--calls`` calls back to back (after warm-up), timed on the host clock
 without synchronizing inside the loop; the median per call over ``--repeats`` loops, max
-over ranks. bf16 is torch's differentiable all_to_all_single (what dispatch's bf16 exchange
-calls). Cases: no-grad forward, forward with grad, forward+backward. On one GPU the
-group has one rank (the exchange goes through the same kernels and collective calls, with
-no traffic): it measures host time, not speed. MXFP8_A2A_PUBLIC_LAUNCH=1 times the public
+over ranks. bf16 is the library's differentiable exchange of unquantized rows
+(mxfp8_a2a.exchange.plain.all_to_all_rows: what dispatch's bf16 exchange calls). Cases:
+no-grad forward, forward with grad, forward+backward. On one GPU the group has one rank
+(the exchange goes through the same kernels and collective calls, with no traffic): it
+measures host time, not speed. MXFP8_A2A_PUBLIC_LAUNCH=1 times the public
 Triton launch path (see mxfp8_a2a/formats/launch.py).
 """
 
@@ -21,11 +22,11 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from common import parse_shape, versions, write_json
 from tabulate import tabulate
 
 import mxfp8_a2a as mx
+from mxfp8_a2a.exchange.plain import all_to_all_rows
 
 try:
     from mxfp8_a2a.formats.launch import fast_launch_enabled
@@ -74,9 +75,7 @@ def time_shape(text: str, world: int, rank: int, device, calls: int, repeats: in
     xg = x.clone().requires_grad_(True)
     grad = torch.randn(sum(out_splits), dim, device=device, dtype=torch.bfloat16)
     fns = {
-        "bf16": lambda t: funcol.wait_tensor(
-            funcol.all_to_all_single_autograd(t, out_splits, splits, dist.group.WORLD)
-        ),
+        "bf16": lambda t: all_to_all_rows(t, out_splits, splits),
         "mxfp8": lambda t: mx.to_mxfp8_a2a_dequant(t, out_splits, splits),
     }
     out = {}

@@ -44,16 +44,25 @@ def jagged_offsets(total: int, n_groups: int, g: torch.Generator) -> torch.Tenso
     return torch.cat([cuts, torch.tensor([total])]).to(torch.int32).cuda()
 
 
+LAYOUT_NAMES = [
+    "grad_w colwise",
+    "grad_w rowwise(x.t())",
+    "colwise contiguous",
+    "rowwise contiguous",
+]
+
+
 def layouts(x: torch.Tensor) -> list[tuple[str, object, object, torch.Tensor, int, str]]:
     """(name, function, reference, input, group-axis length, data layout)."""
     col, row = per_group_colwise_scales, per_group_rowwise_scales
     col_ref, row_ref = per_group_colwise_reference, per_group_rowwise_reference
-    return [
-        ("grad_w colwise", col, col_ref, x, M, "column_major"),
-        ("grad_w rowwise(x.t())", row, row_ref, x.t(), M, "row_major"),
-        ("colwise contiguous", col, col_ref, x, M, "row_major"),
-        ("rowwise contiguous", row, row_ref, x, K, "row_major"),
+    cases = [
+        (col, col_ref, x, M, "column_major"),
+        (row, row_ref, x.t(), M, "row_major"),
+        (col, col_ref, x, M, "row_major"),
+        (row, row_ref, x, K, "row_major"),
     ]
+    return [(name, *case) for name, case in zip(LAYOUT_NAMES, cases, strict=True)]
 
 
 def same(a, b) -> bool:
@@ -69,7 +78,9 @@ def main() -> None:
     p.add_argument("--json")
     p.add_argument("--check", action="store_true", help="compare bits with the reference")
     p.add_argument("--groups", type=int, nargs="+", default=[1, 16, 64])
-    p.add_argument("--layout", action="append", help="only these layouts (repeatable)")
+    p.add_argument(
+        "--layout", action="append", choices=LAYOUT_NAMES, help="only these layouts (repeatable)"
+    )
     p.add_argument("--no-loop", action="store_true", help="skip the torch loop timings")
     args = p.parse_args()
     if not torch.cuda.is_available():

@@ -51,7 +51,9 @@ def bench_shape(m: int, k: int, ranks: list[int]) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--shape", action="append", help="TxK (repeatable); default: %(default)s")
+    p.add_argument(
+        "--shape", action="append", help=f"TxK (repeatable); default: {' '.join(DEFAULT_SHAPES)}"
+    )
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--json", help="write the results to this JSON file")
     args = p.parse_args(argv)

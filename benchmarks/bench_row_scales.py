@@ -72,7 +72,9 @@ def bench_shape(text: str, settings: list[tuple[int, int]], rounds: int) -> list
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--shape", action="append", help="RxC (repeatable); default: %(default)s")
+    p.add_argument(
+        "--shape", action="append", help=f"RxC (repeatable); default: {' '.join(DEFAULT_SHAPES)}"
+    )
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--tile", type=int, action="append", help="ROW_SCALES_TILE to try")
     p.add_argument("--warps", type=int, action="append", help="ROW_SCALES_NUM_WARPS to try")

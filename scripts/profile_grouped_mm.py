@@ -93,10 +93,13 @@ def expert_inputs(text: str):
     return x, w1, w2, offs, go
 
 
-def experts_step(x, w1, w2, offs, go, precision: str) -> None:
-    """One forward+backward of the experts: gelu(x @ w1[e]) @ w2[e], grad go."""
+def experts_step(x, w1, w2, offs, go, precision: str) -> tuple[torch.Tensor, ...]:
+    """One forward+backward of the experts: gelu(x @ w1[e]) @ w2[e], grad go. The gradients
+    of x, w1 and w2 are returned fresh, as in a step after zero_grad(set_to_none=True) (a
+    backward into .grad would add into the previous step's gradients, traffic a real step
+    does not have)."""
     h = F.gelu(grouped_mm(x, w1, offs, precision=precision))
-    torch.autograd.backward(grouped_mm(h, w2, offs, precision=precision), go)
+    return torch.autograd.grad(grouped_mm(h, w2, offs, precision=precision), (x, w1, w2), go)
 
 
 def main() -> None:

@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
+import sys
 from functools import partial
+from pathlib import Path
 
 import torch
 import triton
 from tabulate import tabulate
 
-import mxfp8_a2a as mx
-from mxfp8_a2a import _config
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from common import versions, warm_gpu, write_json  # noqa: E402
+
+import mxfp8_a2a as mx  # noqa: E402
+from mxfp8_a2a import _config  # noqa: E402
 
 SHAPES = [(131072, 5120), (8192, 5120), (2048, 7168)]
 
@@ -28,6 +32,8 @@ def main() -> None:
     p.add_argument("--json")
     args = p.parse_args()
     rows = []
+    print(versions())
+    warm_gpu()  # the first tiling timed is not to run on a cold GPU
     for m, k in SHAPES:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         packed = mx.quantize_packed(x)
@@ -47,9 +53,7 @@ def main() -> None:
                 }
             )
     print(tabulate(rows, headers="keys", floatfmt=".0f"))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+    write_json(args.json, {"versions": versions(), "results": rows})
 
 
 if __name__ == "__main__":
