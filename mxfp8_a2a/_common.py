@@ -101,6 +101,12 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def as_rows(t: torch.Tensor) -> torch.Tensor:
+    """t [..., W] as [rows, W] (a view where t's strides allow; W = 0 works, unlike
+    reshape(-1, W))."""
+    return t.reshape(t.shape[:-1].numel(), t.shape[-1])
+
+
 def contiguous(t: torch.Tensor) -> torch.Tensor:
     """t.contiguous(), spelled as a clone (which fake CUDA tensors on a CPU-only build of
     torch also run, so that tests can trace CUDA paths there)."""

@@ -82,16 +82,39 @@ def test_quantize_non_contiguous(device, dtype):
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
-def test_zero_rows(device):
-    x = torch.empty(0, 64, device=device, dtype=torch.bfloat16)
+@pytest.mark.parametrize("shape", [(0, 64), (5, 0), (2, 3, 0), (0, 0)])
+def test_empty_sizes(device, shape):
+    """No rows or K = 0: every cast gives the reference's (empty) shapes."""
+    x = torch.empty(shape, device=device, dtype=torch.bfloat16)
     data, scales = mx.quantize(x, backend="triton")
-    assert data.shape == (0, 64) and scales.shape == (0, 2)
-    assert mx.quantize_packed(x, backend="triton").shape == (0, 66)
-    assert mx.dequantize(data, scales, backend="triton").shape == (0, 64)
-    assert mx.dequantize_packed(torch.empty(0, 66, dtype=torch.uint8, device=device)).shape == (
-        0,
-        64,
-    )
+    want_d, want_s = mx.quantize_reference(x)
+    assert data.shape == want_d.shape and scales.shape == want_s.shape
+    packed = mx.quantize_packed(x, backend="triton")
+    assert packed.shape == (*shape[:-1], mx.packed_row_bytes(shape[-1]))
+    assert mx.dequantize(data, scales, backend="triton").shape == shape
+    assert mx.dequantize_packed(packed, backend="triton").shape == shape
+    assert mx.quantize_dequantize(x, backend="triton").shape == shape
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_cast_ops_pass_opcheck(device):
+    """The custom ops' fakes agree with them (shapes, dtypes, strides), also for transposed
+    and sliced inputs (finite data: opcheck compares outputs with NaN != NaN)."""
+    g = fresh_generator(device)
+    base = (torch.randn(96, 64, generator=g, device="cpu") * 4).to(device)
+    ops = torch.ops.mxfp8_a2a
+    # the fake and autograd checks (the schema check multiplies fp8 outputs: not on CPU)
+    checks = dict(test_utils=("test_faketensor", "test_autograd_registration"))
+    for x in (base, base.t(), base[:, 32:], base.bfloat16()[::2]):
+        data, scales = mx.quantize(x)
+        for op, args in [
+            (ops.quantize, (x, "rceil")),
+            (ops.quantize_packed, (x, "floor")),
+            (ops.quantize_dequantize, (x, "rceil")),
+            (ops.dequantize, (data, scales, "bfloat16")),
+            (ops.dequantize_packed, (mx.quantize_packed(x), "float32")),
+        ]:
+            torch.library.opcheck(op, args, **checks)
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)

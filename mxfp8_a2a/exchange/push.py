@@ -94,7 +94,8 @@ def _push_kernel(
     in_segment = (local >= 0) & (local < tl.load(count_ptr + d, mask=gmask, other=0))
     ok = gmask & in_segment & (dest_row >= 0) & (dest_row < capacity)
     col = cg[:, None] * 32 + tl.arange(0, 32)[None, :]
-    x = tl.load(x_ptr + row[:, None] * stride_xm + col * stride_xk, mask=gmask[:, None])
+    x_at = row[:, None] * stride_xm + col.to(tl.int64) * stride_xk  # may pass 2**31
+    x = tl.load(x_ptr + x_at, mask=gmask[:, None])
     q, b = mx_quantize_blocks(to_fp32(x, SOFT), RCEIL, HW_E8M0, SOFT)
     base = tl.load(table_ptr + d, mask=ok, other=0).to(tl.pointer_type(tl.uint8))
     # buffers and wire rows are 16-byte aligned (rows.py): say so, so that stores are vectors

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from .. import _config
-from .._common import BLOCK, block_count, check_out_dtype, resolve_backend
+from .._common import BLOCK, as_rows, block_count, check_out_dtype, resolve_backend
 from .bits import block_tile, mx_dequantize_blocks, skip_gap, store_float
 from .launch import launch_tiles
 from .packing import k_from_packed_row_bytes, unpack
@@ -134,9 +134,9 @@ def _launch(
 def _dequantize_impl(data: torch.Tensor, scales: torch.Tensor, out_dtype: str) -> torch.Tensor:
     k = data.shape[-1]
     out = torch.empty(data.shape, dtype=_DTYPES[out_dtype], device=data.device)
-    d = data.reshape(-1, k).contiguous().view(torch.uint8)
-    s = scales.reshape(-1, k // BLOCK).contiguous().view(torch.uint8)
-    _launch(d, s, k, k // BLOCK, out.view(-1, k))
+    d = as_rows(data).contiguous().view(torch.uint8)
+    s = as_rows(scales).contiguous().view(torch.uint8)
+    _launch(d, s, k, k // BLOCK, as_rows(out))
     return out
 
 
@@ -152,8 +152,8 @@ def _dequantize_packed_impl(packed: torch.Tensor, out_dtype: str) -> torch.Tenso
     row = packed.shape[-1]
     k = k_from_packed_row_bytes(row)
     out = torch.empty((*packed.shape[:-1], k), dtype=_DTYPES[out_dtype], device=packed.device)
-    p = packed.reshape(-1, row).contiguous()
-    _launch(p, p[:, k:], row, row, out.view(-1, k))
+    p = as_rows(packed).contiguous()
+    _launch(p, p[:, k:], row, row, as_rows(out))
     return out
 
 

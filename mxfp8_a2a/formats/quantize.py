@@ -17,6 +17,7 @@ from .. import _config
 from .._common import (
     BLOCK,
     E4M3_MAX,
+    as_rows,
     block_count,
     check_float_input,
     check_scaling_mode,
@@ -88,10 +89,11 @@ def _quantize_kernel(
     for tile in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
         gmask, row, cg = block_tile(tile, BLOCK_G, n_groups, groups_per_row)
         in_row = skip_gap(row, gap_at, gap_len)
-        if INT64:
+        col = cg[:, None] * 32 + tl.arange(0, 32)[None, :]
+        if INT64:  # col too: col * stride_xk passes 2**31 for a column-strided x
             row = row.to(tl.int64)
             in_row = in_row.to(tl.int64)
-        col = cg[:, None] * 32 + tl.arange(0, 32)[None, :]
+            col = col.to(tl.int64)
         x = tl.load(x_ptr + in_row[:, None] * stride_xm + col * stride_xk, mask=gmask[:, None])
         q, b = mx_quantize_blocks(to_fp32(x, SOFT), RCEIL, HW_E8M0, SOFT)
         tl.store(data_ptr + row[:, None] * stride_dm + col, q, mask=gmask[:, None])
@@ -153,7 +155,7 @@ def _capability(device: torch.device) -> int:
 
 def _quantize_impl(x: torch.Tensor, scaling_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
     k = x.shape[-1]
-    x2d = x.reshape(-1, k)
+    x2d = as_rows(x)
     data = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.empty((*x.shape[:-1], k // BLOCK), dtype=torch.float8_e8m0fnu, device=x.device)
     _launch(x2d, data.view(torch.uint8), scales.view(torch.uint8), k, k // BLOCK, scaling_mode)
@@ -174,7 +176,7 @@ def _quantize_packed_impl(x: torch.Tensor, scaling_mode: str) -> torch.Tensor:
     k = x.shape[-1]
     row = packed_row_bytes(k)
     out = torch.empty((*x.shape[:-1], row), dtype=torch.uint8, device=x.device)
-    _launch(x.reshape(-1, k), out, out[..., k:], row, row, scaling_mode)
+    _launch(as_rows(x), out, out[..., k:], row, row, scaling_mode)
     return out
 
 

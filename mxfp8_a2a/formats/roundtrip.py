@@ -13,7 +13,14 @@ import triton
 import triton.language as tl
 
 from .. import _config
-from .._common import BLOCK, block_count, check_float_input, check_scaling_mode, resolve_backend
+from .._common import (
+    BLOCK,
+    as_rows,
+    block_count,
+    check_float_input,
+    check_scaling_mode,
+    resolve_backend,
+)
 from .bits import block_tile, mx_dequantize_blocks, mx_quantize_blocks, store_float, to_fp32
 from .dequantize import dequantize_reference
 from .launch import launch_tiles
@@ -43,9 +50,10 @@ def _roundtrip_kernel(
     n_tiles = tl.cdiv(n_groups, BLOCK_G)
     for tile in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
         gmask, row, cg = block_tile(tile, BLOCK_G, n_groups, groups_per_row)
-        if INT64:
-            row = row.to(tl.int64)
         col = cg[:, None] * 32 + tl.arange(0, 32)[None, :]
+        if INT64:  # col too: col * stride_xk passes 2**31 for a column-strided x
+            row = row.to(tl.int64)
+            col = col.to(tl.int64)
         x = tl.load(x_ptr + row[:, None] * stride_xm + col * stride_xk, mask=gmask[:, None])
         q, b = mx_quantize_blocks(to_fp32(x, SOFT), RCEIL, HW_E8M0, SOFT)
         y = mx_dequantize_blocks(q, b, SOFT)
@@ -84,9 +92,8 @@ def _launch(
 
 
 def _roundtrip_impl(x: torch.Tensor, scaling_mode: str) -> torch.Tensor:
-    k = x.shape[-1]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _launch(x.reshape(-1, k), out.view(-1, k), scaling_mode)
+    _launch(as_rows(x), as_rows(out), scaling_mode)
     return out
 
 
@@ -97,7 +104,7 @@ _roundtrip_op = torch.library.custom_op(
 
 @_roundtrip_op.register_fake
 def _(x: torch.Tensor, scaling_mode: str) -> torch.Tensor:
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)  # row-major, as the op's output (not x's strides)
 
 
 def quantize_dequantize(
