@@ -109,3 +109,14 @@ def test_dispatch_tells_every_transport_apart():
     codes += [_agreement(x, "mxfp8", mx.CopyEngineTransport(group, s))[1] for s in range(1, 65)]
     assert len(set(codes)) == len(codes)
     assert _agreement(x, "bf16", NCCL) == _agreement(x, "bf16", mx.CopyEngineTransport(group))
+
+
+def test_nccl_transport_rejects_cpu_tensors_on_an_nccl_group(monkeypatch):
+    """A CPU x on an NCCL group is a bad argument of its rank (gathered by validate=True),
+    not a failure inside the collective that leaves the other ranks waiting."""
+    from mxfp8_a2a.exchange import nccl
+
+    monkeypatch.setattr(nccl, "comm_device", lambda group: torch.device("cuda", 0))
+    with pytest.raises(ValueError, match=r"the group's backend \(NCCL\) takes CUDA tensors"):
+        nccl.NCCL.check(torch.device("cpu"), None)
+    nccl.NCCL.check(torch.device("cuda", 0), None)
