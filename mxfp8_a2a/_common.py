@@ -86,12 +86,17 @@ def check_out_dtype(out_dtype: torch.dtype) -> None:
         raise TypeError(f"out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
 
 
+# the most blocks of 32 a cast launch covers: its int32 block index (tile * BLOCK_G + lane)
+# must not wrap for the last tile at the largest BLOCK_G in _config (1024)
+MAX_BLOCKS = 2**31 - 1024
+
+
 def block_count(rows: int, k: int, name: str) -> int:
     """Blocks of 32 in ``rows`` rows of K values (what a cast kernel's grid covers); at most
-    2**31 - 1, the kernels' int32 block index."""
+    MAX_BLOCKS (2**31 - 1024), so that the kernels' int32 block index does not wrap."""
     n = rows * (k // BLOCK)
-    if n >= 2**31:
-        raise ValueError(f"{name} has {n} blocks of 32; at most 2**31 - 1 are supported")
+    if n > MAX_BLOCKS:
+        raise ValueError(f"{name} has {n} blocks of 32; at most {MAX_BLOCKS} are supported")
     return n
 
 

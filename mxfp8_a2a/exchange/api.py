@@ -177,7 +177,10 @@ def to_mxfp8_a2a_dequant(
         chosen.check(x.device, group)
         if compiling and not isinstance(chosen, NcclTransport):
             raise ValueError(f"torch.compile traces transport='nccl' only, got {chosen.name!r}")
-        if compiling and (validate or isinstance(output_splits, torch.Tensor)):
+        splits_tensor = isinstance(output_splits, torch.Tensor) or isinstance(
+            input_splits, torch.Tensor
+        )
+        if compiling and (validate or splits_tensor):
             raise ValueError(
                 "under torch.compile pass the splits as lists of ints and validate=False "
                 "(reading tensors or validating would synchronize); validate in an eager call"

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .. import _config
-from .._common import BLOCK, cdiv, check_scaling_mode, next_pow2
+from .._common import BLOCK, block_count, cdiv, check_scaling_mode, next_pow2
 from ..formats.bits import block_tile, mx_quantize_blocks, to_fp32
 from ..formats.packing import pack
 from ..formats.quantize import _capability, quantize_reference
@@ -139,7 +139,7 @@ def push_rows(
     check_scaling_mode(scaling_mode)
     _check_push(x, table, count, start)
     m, k = x.shape
-    n_groups = m * (k // BLOCK)
+    n_groups = block_count(m, k, "x")
     if n_groups == 0 or table.numel() == 0:
         return
     soft = x.device.type == "cpu"

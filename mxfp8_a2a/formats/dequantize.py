@@ -200,7 +200,7 @@ def dequantize(
 def dequantize_packed(
     packed: torch.Tensor, *, out_dtype: torch.dtype = torch.bfloat16, backend: str = "auto"
 ) -> torch.Tensor:
-    """Dequantize packed rows (uint8 [..., K + K // 32], see :mod:`mxfp8_a2a.packing`).
+    """Dequantize packed rows (uint8 [..., K + K // 32], see :mod:`mxfp8_a2a.formats.packing`).
 
     Returns:
         out_dtype [..., K].

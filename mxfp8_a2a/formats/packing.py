@@ -49,7 +49,8 @@ def pack(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 def unpack(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Split uint8 [..., K + K/32] into (float8_e4m3fn [..., K], float8_e8m0fnu [..., K/32]).
 
-    The results are copies (contiguous).
+    The results are contiguous; they may share packed's storage (one row, or a 1-D packed),
+    so clone them before writing into packed.
     """
     if packed.dtype != torch.uint8:
         raise TypeError(f"packed must be uint8, got {packed.dtype}")
