@@ -224,3 +224,44 @@ def graph_capture(rank, world, backend, seed):
         graph = torch.cuda.CUDAGraph()
         with pytest.raises(ValueError, match=match), torch.cuda.graph(graph):
             mx.to_mxfp8_a2a_dequant(x, splits, in_splits, **args)
+
+
+def public_fallbacks(rank, world, backend):
+    """Without the process group's alltoall_base binding (the public all_to_all_single) and
+    without torch's functional collectives (a graph break under torch.compile, the eager
+    transport), the exchange and the bf16 exchange give the same bits as with them."""
+    from mxfp8_a2a.exchange import api, nccl, plain
+
+    dev = device_for(backend)
+    g = torch.Generator().manual_seed(rank)
+    splits = [3] * world
+    x = (torch.randn(3 * world, 64, generator=g) * 8).to(dev)
+    grad = torch.randn(3 * world, 64, generator=g).to(dev)
+
+    def run(fn):
+        xx = x.clone().requires_grad_()
+        out = fn(xx)
+        out.backward(grad)
+        return out.detach(), xx.grad
+
+    def mxfp8(t):
+        return mx.to_mxfp8_a2a_dequant(t, splits, splits)
+
+    def bf16(t):
+        return plain.all_to_all_rows(t, splits, splits)
+
+    want = [run(mxfp8), run(bf16)]
+    binding = nccl._binding
+    nccl._binding = lambda pg: None
+    try:
+        got = [run(mxfp8), run(bf16)]
+    finally:
+        nccl._binding = binding
+    api.HAS_FUNCOL = plain.HAS_FUNCOL = False
+    try:
+        got_compiled = [run(torch.compile(f, backend="aot_eager")) for f in (mxfp8, bf16)]
+    finally:
+        api.HAS_FUNCOL = plain.HAS_FUNCOL = True
+    for results in (got, got_compiled):
+        for a, b in zip(results, want, strict=True):
+            assert all(torch.equal(u, v) for u, v in zip(a, b, strict=True))

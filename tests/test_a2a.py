@@ -11,7 +11,14 @@ import random
 
 import pytest
 import torch
-from a2a_call_workers import bad_input, compiled, edge_cases, graph_capture, memory_flat
+from a2a_call_workers import (
+    bad_input,
+    compiled,
+    edge_cases,
+    graph_capture,
+    memory_flat,
+    public_fallbacks,
+)
 from a2a_workers import (
     exact_forward_backward,
     exact_large,
@@ -56,6 +63,12 @@ def test_exact_forward_backward(backend):
             run_distributed(
                 exact_forward_backward, world, backend, seed, 96, dtype, mode, backend=backend
             )
+
+
+@pytest.mark.parametrize("backend", ANY_GPUS)
+def test_public_fallbacks_give_the_same_bits(backend):
+    world = 2 if backend == "gloo" else torch.cuda.device_count()
+    run_distributed(public_fallbacks, world, backend, backend=backend)
 
 
 @pytest.mark.parametrize("backend", ANY_GPUS)

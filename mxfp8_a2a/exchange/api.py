@@ -59,9 +59,17 @@ def compute_output_splits(
     return out
 
 
+@torch.compiler.disable
+def _eager_exchange(x, output_splits, input_splits, group, scaling_mode, transport: Transport):
+    """The transport's exchange, run eagerly where the compiler meets it (a graph break)."""
+    return transport.exchange(x, output_splits, input_splits, group, scaling_mode)
+
+
 def _exchange(x, output_splits, input_splits, group, scaling_mode, transport: Transport):
-    if not (torch.compiler.is_compiling() and HAS_FUNCOL):
+    if not torch.compiler.is_compiling():
         return transport.exchange(x, output_splits, input_splits, group, scaling_mode)
+    if not HAS_FUNCOL:
+        return _eager_exchange(x, output_splits, input_splits, group, scaling_mode, transport)
     # the eager transport's wire rows (padded to 16 bytes), so that a rank that runs eager
     # (a graph break, a recompile limit) and one that runs compiled move the same bytes
     row = packed_row_bytes(x.shape[1])

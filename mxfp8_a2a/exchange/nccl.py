@@ -25,6 +25,12 @@ def keeps_local(n: int, k: int, device: torch.device) -> bool:
     return n > 0 and (device.type != "cuda" or n * k >= _config.KEEP_LOCAL_MIN_ELEMENTS)
 
 
+def _binding(pg: dist.ProcessGroup):
+    """The process group's own alltoall_base (its binding: not public API), or None where this
+    torch has none (all_to_all then makes the public call)."""
+    return getattr(pg, "alltoall_base", None)
+
+
 def all_to_all(out, inp, out_splits, in_splits, group, async_op: bool) -> dist.Work | None:
     """all_to_all_single through the process group object: the Python wrapper's argument
     checks and logging cost host time that small exchanges cannot spare.
@@ -34,12 +40,13 @@ def all_to_all(out, inp, out_splits, in_splits, group, async_op: bool) -> dist.W
     then launches it there, without cross-stream events: less latency when nothing runs
     beside it) and returns None."""
     pg = group if group is not None else dist.group.WORLD
-    if not hasattr(pg, "alltoall_base"):  # the binding is not public API: the public call
+    fast = _binding(pg)
+    if fast is None:  # the public call
         work = dist.all_to_all_single(out, inp, out_splits, in_splits, group, async_op=async_op)
         return work if async_op else None
     opts = dist.AllToAllOptions()
     opts.asyncOp = async_op
-    work = pg.alltoall_base(out, inp, out_splits, in_splits, opts)
+    work = fast(out, inp, out_splits, in_splits, opts)
     if async_op:
         return work
     if work is not None:  # what all_to_all_single does for a synchronous call

@@ -30,11 +30,19 @@ def all_to_all_rows(
     """x [sum(input_splits), H] (rows grouped by destination rank) -> [sum(output_splits), H]
     in x's dtype, on x's device: rank r's rows for this rank in rank order. Differentiable.
     A collective: every rank of ``group`` calls it with splits that agree."""
-    if torch.compiler.is_compiling() and HAS_FUNCOL:
-        out = funcol.all_to_all_single_autograd(
-            x, output_splits, input_splits, group or dist.group.WORLD
-        )
-        return funcol.wait_tensor(out)
+    if not torch.compiler.is_compiling():
+        return _apply(x, output_splits, input_splits, group)
+    if not HAS_FUNCOL:
+        return _eager_apply(x, output_splits, input_splits, group)
+    out = funcol.all_to_all_single_autograd(
+        x, output_splits, input_splits, group or dist.group.WORLD
+    )
+    return funcol.wait_tensor(out)
+
+
+@torch.compiler.disable
+def _eager_apply(x, output_splits, input_splits, group) -> torch.Tensor:
+    """_apply, run eagerly where the compiler meets it (a graph break)."""
     return _apply(x, output_splits, input_splits, group)
 
 
