@@ -47,11 +47,16 @@ def test_cached_launch_matches_public_launch(monkeypatch):
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(300, 5120, device="cuda", generator=g).to(torch.bfloat16)
     outs = []
-    for public in ("1", "0", "0"):  # the public path, then a first and a cached launch
+    # the public path, then a first and a cached launch, then a cached one without torch's
+    # private raw-stream accessor (the public current_stream)
+    for public, raw in (("1", True), ("0", True), ("0", True), ("0", False)):
         monkeypatch.setenv(launch.PUBLIC_LAUNCH_ENV, public)
+        if not raw:
+            monkeypatch.setattr(launch, "_raw_stream", None)
         packed = mx.quantize_packed(x)
         outs.append((packed, mx.dequantize_packed(packed), mx.quantize_dequantize(x)))
-    for a, b in zip(outs[0], outs[2], strict=True):
-        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    for later in outs[2:]:
+        for a, b in zip(outs[0], later, strict=True):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     if launch.fast_launch_enabled():
         assert launch._COMPILED, "the cached path kept its kernels"
