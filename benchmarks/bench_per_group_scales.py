@@ -34,8 +34,8 @@ from mxfp8_a2a.grouped.reference import per_group_colwise_reference, per_group_r
 M, K = 16640, 8192  # tokens x hidden
 METHODS = ("auto", "direct", "transpose")
 # Warm-up of each kernel timing. The torch loop before it keeps the GPU mostly idle (launch-
-# bound), and with 50 ms of warm-up the first kernel timed after it measured up to 20% slow
-# on an H200 against repeated timings (BENCHMARKS.md); 250 ms of steady work comes first.
+# bound), and with 50 ms of warm-up the first kernel timed after it measured slow on an H200
+# against repeated timings; 250 ms of steady work comes first.
 WARMUP_MS = 250
 
 
@@ -88,7 +88,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(M, K, dtype=torch.bfloat16).cuda()
     # On a freshly started H200 the first timing measured 138 us against 102 us in later
-    # runs on the same machine (BENCHMARKS.md): steady work first.
+    # runs on the same machine (2026-12-01): steady work first.
     whole = torch.tensor([K], dtype=torch.int32).cuda()
     warm_gpu(lambda: per_group_rowwise_scales(x, whole, validate=False))
     rows, failures = [], []

@@ -6,7 +6,7 @@ with one group per row (the path it replaces) and a device copy.
         [--tile 8192 --warps 4 ...] [--json out.json]
 
 GB/s counts bytes read + written once (bf16 in, e4m3 + one fp32 scale per row out). Single
-timings of one call on an H200 vary by up to 1.8x between repeats (BENCHMARKS.md), so every
+timings of one call on an H200 vary between repeats (scripts/timing_spread.py), so every
 op runs in ``--rounds`` interleaved rounds; the table gives the fastest and the median.
 ``--tile`` / ``--warps`` (repeatable, paired) try other settings of _config.ROW_SCALES_*.
 Prints whether each kernel's output equals the reference's bits. Needs a CUDA GPU.

@@ -49,9 +49,9 @@ COPY_ENGINE_MAX_RANGES = 2
 # from ``min_group`` to ``max_class``) times ``tile`` / that rows; wider groups loop (two
 # passes) over tiles of ``tile`` elements.
 # Values: best of scripts/tune_per_group.py on an H200 (torch 2.11, triton 3.6), x (16640,
-# 8192) bf16 with 1/16/64 groups; tables in BENCHMARKS.md. The best worst case of three
-# interleaved rounds (110.9 / 138.7 / 142.5 us); a widest class of 256 measured 134 us at 16
-# groups but 150 at 64.
+# 8192) bf16 with 1/16/64 groups (BENCHMARKS.md: the per-group kernels). The best worst
+# case of three interleaved rounds (110.9 / 138.7 / 142.5 us); a widest class of 256
+# measured 134 us at 16 groups but 150 at 64.
 # Registers: capped at 64 per thread (72-80 by the compiler's choice): 8 programs of 4 warps
 # per SM instead of 6-7, no spills; three interleaved rounds over three offset draws (H200,
 # 2026-11-30): 101.5-102.1 / 111.2-113.1 / 122.7-131.3 us at 1 / 16 / 64 groups, against

@@ -1,5 +1,5 @@
 """The FP8 experts' colwise pieces at the MoE benchmark's shapes under several colwise
-tilings, in interleaved rounds (single timings on the H200 vary by up to 2x: BENCHMARKS.md).
+tilings, in interleaved rounds (single timings on the H200 vary: scripts/timing_spread.py).
 
     python scripts/compare_colwise_tilings.py [--rounds 5] [--tiling FIELD=VALUE,...]...
 
