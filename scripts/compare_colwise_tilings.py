@@ -1,7 +1,7 @@
 """The FP8 experts' colwise pieces at the MoE benchmark's shapes under several colwise
 tilings, in interleaved rounds (single timings on the H200 vary: scripts/timing_spread.py).
 
-    python scripts/compare_colwise_tilings.py [--rounds 5] [--tiling FIELD=VALUE,...]...
+    python scripts/compare_colwise_tilings.py [--rounds 5] [--tiling FIELD=VALUE,...]... [--json F]
 
 Each --tiling is _config.COLWISE_TILING with the fields given replaced (e.g.
 ``amax_stages=0,cast_stages=0``); the default compares the current tiling with itself
@@ -25,7 +25,7 @@ from mxfp8_a2a import _config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from common import warm_gpu  # noqa: E402
+from common import versions, warm_gpu, write_json  # noqa: E402
 from profile_grouped_mm import uneven_offsets  # noqa: E402
 
 fr = importlib.import_module("mxfp8_a2a.grouped.fp8_rowwise")
@@ -42,6 +42,7 @@ def main() -> None:
     )
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--tiling", action="append", metavar="FIELD=VALUE,...")
+    p.add_argument("--json", help="write every round's times to this JSON file")
     args = p.parse_args()
     tilings = [parse_tiling(t) for t in (args.tiling or ["", "amax_stages=0,cast_stages=0"])]
     g = torch.Generator().manual_seed(0)
@@ -70,6 +71,8 @@ def main() -> None:
     print(f"{'piece':38s} tiling   min us   median      max")
     for (name, i), v in times.items():
         print(f"{name:38s} {i:6d} {min(v):8.1f} {statistics.median(v):8.1f} {max(v):8.1f}")
+    rows = [{"piece": name, "tiling": list(tilings[i]), "us": v} for (name, i), v in times.items()]
+    write_json(args.json, {"versions": versions(), "results": rows})
 
 
 if __name__ == "__main__":

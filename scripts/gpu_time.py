@@ -29,7 +29,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from bench_per_group_scales import K, M, jagged_offsets  # noqa: E402
-from common import warm_gpu  # noqa: E402
+from common import versions, warm_gpu, write_json  # noqa: E402
 from profile_grouped_mm import SHAPES, expert_inputs, experts_step, uneven_offsets  # noqa: E402
 
 from mxfp8_a2a import per_group_colwise_scales  # noqa: E402
@@ -65,7 +65,7 @@ def wall_us(fn, n: int) -> float:
     return statistics.median(runs)
 
 
-def colwise() -> None:
+def colwise() -> list[dict]:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(M, K, dtype=torch.bfloat16, generator=g).cuda()
     cases = {}
@@ -80,6 +80,7 @@ def colwise() -> None:
     o16 = uneven_offsets(65536, 16, g)
     cases["w per column [16, 2048, 768]"] = lambda: fr._weights_per_column(w_small)
     cases["padded per group [65536, 768], 16"] = lambda: fr.padded_token_scales(a768, o16)
+    rows = []
     for name, fn in cases.items():
         bench = triton.testing.do_bench(fn, warmup=100, rep=200, return_mode="median") * 1e3
         per = kernel_us(fn, 20)
@@ -89,9 +90,13 @@ def colwise() -> None:
             for k, (t, c) in sorted(per.items(), key=lambda kv: -kv[1][0])
         )
         print(f"{name}: do_bench {bench:.1f} us, kernels {total:.1f} us: {parts}", flush=True)
+        kernels = {k: {"us": t, "launches": c} for k, (t, c) in per.items()}
+        rows.append({"case": name, "do_bench_us": bench, "kernels_us": total, "kernels": kernels})
+    return rows
 
 
-def experts() -> None:
+def experts() -> list[dict]:
+    rows = []
     for text in SHAPES:
         inputs = expert_inputs(text)
         for precision in ("bf16", "fp8_rowwise", "fp8_rowwise_gw_hp"):
@@ -116,6 +121,11 @@ def experts() -> None:
                 f"{kernels:.0f} us, graph replay {replay:.0f} us",
                 flush=True,
             )
+            rows.append(
+                {"shape": text, "precision": precision, "eager_us": eager,
+                 "kernels_us": kernels, "graph_replay_us": replay}
+            )  # fmt: skip
+    return rows
 
 
 def main() -> None:
@@ -123,12 +133,16 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--part", choices=["colwise", "experts", "both"], default="both")
+    p.add_argument("--json", help="write the results to this JSON file")
     args = p.parse_args()
+    print(versions())
     warm_gpu()  # the first do_bench median is not to be taken on a cold GPU
+    results = {"versions": versions()}
     if args.part in ("colwise", "both"):
-        colwise()
+        results["colwise"] = colwise()
     if args.part in ("experts", "both"):
-        experts()
+        results["experts"] = experts()
+    write_json(args.json, results)
 
 
 if __name__ == "__main__":

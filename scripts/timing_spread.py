@@ -1,6 +1,6 @@
 """The same per-group scaling calls timed again and again: does one call's time drift?
 
-    python scripts/timing_spread.py [--rounds 10] [--pad-mib 2]
+    python scripts/timing_spread.py [--rounds 10] [--pad-mib 2] [--json out.json]
 
 x (16640, 8192) bf16, fixed offsets; each round frees the CUDA allocator's cache, holds a
 pad of round * --pad-mib MiB (so the outputs land elsewhere), times three calls with
@@ -24,6 +24,7 @@ from mxfp8_a2a import per_group_colwise_scales, per_group_rowwise_scales
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from bench_per_group_scales import K, M, jagged_offsets  # noqa: E402
+from common import versions, write_json  # noqa: E402
 
 QUERY = "clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active"
 
@@ -45,6 +46,7 @@ def main() -> None:
     )
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--pad-mib", type=int, default=2)
+    p.add_argument("--json", help="write every round's timing and GPU state to this file")
     args = p.parse_args()
     x = torch.randn(M, K, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0)).cuda()
     g = torch.Generator().manual_seed(0)
@@ -59,6 +61,7 @@ def main() -> None:
             x, offs_k, validate=False),
     }  # fmt: skip
     times: dict[str, list[float]] = {name: [] for name in cases}
+    rounds = []
     start = time.perf_counter()
     print(f"round    s  {'call':30s}      us  ({QUERY})")
     for r in range(args.rounds):
@@ -67,13 +70,15 @@ def main() -> None:
         for name, fn in cases.items():
             us = triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median") * 1e3
             times[name].append(us)
-            t = time.perf_counter() - start
-            print(f"{r:5d} {t:4.0f}  {name:30s} {us:7.1f}  ({gpu_state()})", flush=True)
+            t, state = time.perf_counter() - start, gpu_state()
+            print(f"{r:5d} {t:4.0f}  {name:30s} {us:7.1f}  ({state})", flush=True)
+            rounds.append({"round": r, "s": t, "call": name, "us": us, "gpu": state})
         del pad
     for name, v in times.items():
         print(
             f"{name:30s} min {min(v):.1f}  median {statistics.median(v):.1f}  max {max(v):.1f} us"
         )
+    write_json(args.json, {"versions": versions(), "query": QUERY, "rounds": rounds})
 
 
 if __name__ == "__main__":
