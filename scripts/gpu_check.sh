@@ -33,7 +33,7 @@ if has cast; then
     --warps 8 --tile 16384 --warps 8 --json "$out/row_scales.json" 2>&1 | tee "$out/row_scales.txt"
 fi
 if has pergroup; then
-  timeout 80 python3 "$here/scripts/timing_spread.py" --rounds 8 > "$out/timing_spread.txt" 2>&1
+  timeout 80 python3 "$here/scripts/timing_spread.py" --rounds 8 --json "$out/timing_spread.json" > "$out/timing_spread.txt" 2>&1
   tail -3 "$out/timing_spread.txt"
   timeout 150 python3 "$here/benchmarks/bench_per_group_scales.py" --json "$out/per_group.json" 2>&1 | tee "$out/per_group.txt"
   timeout 300 python3 "$here/scripts/tune_per_group.py" --json "$out/tune_per_group.json" > "$out/tune_per_group.txt" 2>&1
@@ -50,9 +50,9 @@ if has grouped; then
   timeout 90 python3 "$here/scripts/profile_grouped_mm.py" --json "$out/grouped_mm_pieces.json" \
     > "$out/grouped_mm_pieces.txt" 2>&1
   grep -E "experts|per column|padded" "$out/grouped_mm_pieces.txt"
-  timeout 120 python3 "$here/scripts/compare_colwise_tilings.py" > "$out/compare_colwise.txt" 2>&1
+  timeout 120 python3 "$here/scripts/compare_colwise_tilings.py" --json "$out/compare_colwise.json" > "$out/compare_colwise.txt" 2>&1
   tail -14 "$out/compare_colwise.txt"
-  timeout 150 python3 "$here/scripts/gpu_time.py" > "$out/gpu_time.txt" 2>&1
+  timeout 150 python3 "$here/scripts/gpu_time.py" --json "$out/gpu_time.json" > "$out/gpu_time.txt" 2>&1
   tail -14 "$out/gpu_time.txt"
 fi
 if has host; then
