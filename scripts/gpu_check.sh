@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine: GPU tests, tuning sweeps and benchmarks, logs in OUTDIR.
 #   [TESTS='tests/test_a2a.py ...'] scripts/gpu_check.sh OUTDIR [tests|tune|bench|cast|pergroup|grouped|host|all]...
-# bench: the whole suite (scripts/run_benchmarks.sh); cast, pergroup: the one-GPU parts
+# bench: the whole suite (scripts/run_benchmarks.sh, into OUTDIR/bench); cast, pergroup: the one-GPU parts
 # (pergroup adds the timing-spread probe and the per-group tiling sweep); grouped: grouped_mm's
 # GPU tests, the MoE layer benchmark (one rank), the FP8 experts piece by piece, their colwise
 # pieces per tiling in rounds and the kernels' own time (gpu_time.py); host: host time per
@@ -65,5 +65,6 @@ if has host; then
   done
 fi
 if has bench; then
-  timeout 400 "$here/scripts/run_benchmarks.sh" "$out" 2>&1 | grep -v '^W1' | tail -80
+  # its own folder: the suite writes the one-GPU stages' file names too
+  timeout 590 "$here/scripts/run_benchmarks.sh" "$out/bench" 2>&1 | grep -v '^W1' | tail -80
 fi

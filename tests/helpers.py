@@ -72,14 +72,15 @@ def sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:
 
 
 def assert_sum_within_rounding(got: torch.Tensor, terms: torch.Tensor) -> None:
-    """got (in its dtype) is a sum of ``terms`` [..., k, ...] over dim -2 done in fp32 or in
-    got's dtype, in any order: within k - 1 fp32-or-dtype roundings of the sum of magnitudes
-    plus one rounding of the result to got's dtype (a bound relative to the result alone
+    """got (in its dtype) is a sum of ``terms`` [..., k, ...] over dim -2 accumulated in fp32
+    in any order, then rounded once to got's dtype: within k - 1 fp32 roundings of the sum
+    of magnitudes plus one rounding of the result (a bound relative to the result alone
     fails where terms cancel). Non-finite exact sums must match as NaN/inf."""
     exact = terms.double().sum(-2)
     k = terms.shape[-2]
-    eps = max(torch.finfo(got.dtype).eps, torch.finfo(torch.float32).eps)
-    bound = max(k - 1, 0) * eps * terms.double().abs().sum(-2) + eps * exact.abs()
+    eps32, eps_out = torch.finfo(torch.float32).eps, torch.finfo(got.dtype).eps
+    acc = max(k - 1, 0) * eps32 * terms.double().abs().sum(-2)
+    bound = acc * (1 + eps_out) + eps_out * exact.abs()
     finite = exact.isfinite()
     err = (got.double() - exact).abs()
     assert bool((err[finite] <= bound[finite]).all()), (err - bound).max()

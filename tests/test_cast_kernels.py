@@ -100,7 +100,7 @@ def test_empty_sizes(device, shape):
 def test_cast_ops_pass_opcheck(device):
     """The custom ops' fakes agree with them (shapes, dtypes, strides), also for transposed
     and sliced inputs (finite data: opcheck compares outputs with NaN != NaN)."""
-    g = fresh_generator(device)
+    g = fresh_generator()  # the data is drawn on the CPU
     base = (torch.randn(96, 64, generator=g, device="cpu") * 4).to(device)
     ops = torch.ops.mxfp8_a2a
     # the fake and autograd checks (the schema check multiplies fp8 outputs: not on CPU)

@@ -116,7 +116,7 @@ def test_nccl_transport_rejects_cpu_tensors_on_an_nccl_group(monkeypatch):
     not a failure inside the collective that leaves the other ranks waiting."""
     from mxfp8_a2a.exchange import nccl
 
-    monkeypatch.setattr(nccl, "comm_device", lambda group: torch.device("cuda", 0))
+    monkeypatch.setattr(nccl, "cuda_only", lambda group: True)
     with pytest.raises(ValueError, match=r"the group's backend \(NCCL\) takes CUDA tensors"):
         nccl.NCCL.check(torch.device("cpu"), None)
     nccl.NCCL.check(torch.device("cuda", 0), None)

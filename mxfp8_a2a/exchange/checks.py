@@ -42,6 +42,13 @@ def comm_device(group: dist.ProcessGroup | None) -> torch.device:
     return torch.device("cpu")
 
 
+def cuda_only(group: dist.ProcessGroup | None) -> bool:
+    """Whether ``group`` has no backend for CPU tensors: NCCL alone (a group made with
+    "cpu:gloo,cuda:nccl" exchanges CPU tensors over gloo)."""
+    backend = str(dist.get_backend(group))
+    return "nccl" in backend and "cpu:" not in backend and "gloo" not in backend
+
+
 def group_rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
     """(rank, size) of this process in ``group``; a ValueError if it is not a member."""
     rank = dist.get_rank(group)
