@@ -116,7 +116,9 @@ def test_nccl_transport_rejects_cpu_tensors_on_an_nccl_group(monkeypatch):
     not a failure inside the collective that leaves the other ranks waiting."""
     from mxfp8_a2a.exchange import nccl
 
-    monkeypatch.setattr(nccl, "cuda_only", lambda group: True)
+    monkeypatch.setattr(checks.dist, "get_backend", lambda group: "nccl")
     with pytest.raises(ValueError, match=r"the group's backend \(NCCL\) takes CUDA tensors"):
         nccl.NCCL.check(torch.device("cpu"), None)
     nccl.NCCL.check(torch.device("cuda", 0), None)
+    monkeypatch.setattr(checks.dist, "get_backend", lambda group: "cpu:gloo,cuda:nccl")
+    nccl.NCCL.check(torch.device("cpu"), None)

@@ -42,11 +42,19 @@ def comm_device(group: dist.ProcessGroup | None) -> torch.device:
     return torch.device("cpu")
 
 
-def cuda_only(group: dist.ProcessGroup | None) -> bool:
-    """Whether ``group`` has no backend for CPU tensors: NCCL alone (a group made with
-    "cpu:gloo,cuda:nccl" exchanges CPU tensors over gloo)."""
+def device_error(device: torch.device, group: dist.ProcessGroup | None) -> str | None:
+    """What is wrong with exchanging tensors of ``device`` over ``group``, or None: a tensor
+    off CUDA on a group whose only backend is NCCL (a group made with "cpu:gloo,cuda:nccl"
+    exchanges CPU tensors over gloo)."""
+    if device.type == "cuda":
+        return None
     backend = str(dist.get_backend(group))
-    return "nccl" in backend and "cpu:" not in backend and "gloo" not in backend
+    if "nccl" in backend and "cpu:" not in backend and "gloo" not in backend:
+        return (
+            f"x is on {device}, and the group's backend (NCCL) takes CUDA tensors; move x to "
+            "its GPU or pass a gloo group"
+        )
+    return None
 
 
 def group_rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:

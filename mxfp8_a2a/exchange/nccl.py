@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _config
-from .checks import cuda_only
+from .checks import device_error
 from .rows import dequantize_into, quantize_into, roundtrip_into, wire_row
 from .transport import Transport
 
@@ -63,11 +63,9 @@ class NcclTransport(Transport):
     def check(self, device: torch.device, group: dist.ProcessGroup | None) -> None:
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"x must be a CPU (gloo) or CUDA (NCCL) tensor, got {device}")
-        if device.type != "cuda" and cuda_only(group):
-            raise ValueError(
-                f"x is on {device}, and the group's backend (NCCL) takes CUDA tensors; move x "
-                "to its GPU or pass a gloo group"
-            )
+        problem = device_error(device, group)
+        if problem is not None:
+            raise ValueError(problem)
 
     def exchange(self, x, output_splits, input_splits, group, scaling_mode):
         rank, k = dist.get_rank(group), x.shape[1]

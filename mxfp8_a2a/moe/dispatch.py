@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..exchange.api import to_mxfp8_a2a_dequant
-from ..exchange.checks import comm_device, cuda_only, group_rank_and_size, raise_on_every_rank
+from ..exchange.checks import comm_device, device_error, group_rank_and_size, raise_on_every_rank
 from ..exchange.plain import all_to_all_rows
 from ..exchange.transport import Transport, resolve
 from .rows import take_rows
@@ -95,8 +95,8 @@ def _local_error(x, topk_ids, num_experts, world, exchange, group) -> str | None
         return f"exchange must be one of {EXCHANGES}, got {exchange!r}"
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         return f"x must be a 2-D [tokens, hidden] tensor, got {getattr(x, 'shape', type(x))}"
-    if x.device.type != "cuda" and cuda_only(group):
-        return f"x is on {x.device}, and the group's backend (NCCL) takes CUDA tensors; move x"
+    if (problem := device_error(x.device, group)) is not None:
+        return problem
     if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2:
         return f"topk_ids must be a 2-D [tokens, k] tensor, got {getattr(topk_ids, 'shape', '?')}"
     if topk_ids.shape[0] != x.shape[0]:
