@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a GPU machine: GPU tests, tuning sweeps and benchmarks, logs in OUTDIR.
-#   [TESTS='tests/test_a2a.py ...'] scripts/gpu_check.sh OUTDIR [tests|tune|bench|cast|pergroup|grouped|host|all]...
+#   [TESTS='tests/test_a2a.py ...'] [TEST_FILE_TIMEOUT=300] scripts/gpu_check.sh OUTDIR [tests|tune|bench|cast|pergroup|grouped|host|all]...
 # bench: the whole suite (scripts/run_benchmarks.sh, into OUTDIR/bench); cast, pergroup: the one-GPU parts
 # (pergroup adds the timing-spread probe and the per-group tiling sweep); grouped: grouped_mm's
 # GPU tests, the MoE layer benchmark (one rank), the FP8 experts piece by piece, their colwise
@@ -17,11 +17,17 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | t
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "nccl", torch.cuda.nccl.version())' | tee -a "$out/gpu.txt"
 has() { [[ " $stages " == *" $1 "* || " $stages " == *" all "* ]]; }
 if has tests; then
-  # TESTS picks files (relative to the repo), e.g. to split a run over two calls:
-  # the per-group file alone compiles for a few minutes on a fresh machine.
-  targets=()
-  for t in ${TESTS:-tests}; do targets+=("$here/$t"); done
-  timeout 540 python3 -m pytest -q -rs --timeout 300 "${targets[@]}" 2>&1 | tail -40 | tee "$out/tests.txt"
+  # TESTS picks files (relative to the repo), e.g. to split a run over two calls: on one
+  # GPU the whole folder takes far longer than one call (its two-process tests take seconds
+  # each; the per-group file compiles for minutes on a fresh machine). One pytest per file,
+  # each with its own timeout, so that one slow file leaves the others' results.
+  : > "$out/tests.txt"
+  for t in ${TESTS:-tests/test_*.py}; do
+    echo "== $t" >> "$out/tests.txt"
+    timeout "${TEST_FILE_TIMEOUT:-300}" python3 -m pytest -q -rs --timeout 240 -p no:cacheprovider \
+      "$here/$t" 2>&1 | tail -8 >> "$out/tests.txt"
+  done
+  cat "$out/tests.txt"
 fi
 if has tune; then
   timeout 200 python3 "$here/scripts/tune_cast.py" --json "$out/tune.json" 2>&1 | tee "$out/tune.txt" | tail -50
