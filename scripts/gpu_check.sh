@@ -22,7 +22,7 @@ if has tests; then
   # each; the per-group file compiles for minutes on a fresh machine). One pytest per file,
   # each with its own timeout, so that one slow file leaves the others' results.
   : > "$out/tests.txt"
-  for t in ${TESTS:-tests/test_*.py}; do
+  for t in ${TESTS:-$(cd "$here" && echo tests/test_*.py)}; do
     echo "== $t" >> "$out/tests.txt"
     timeout "${TEST_FILE_TIMEOUT:-300}" python3 -m pytest -q -rs --timeout 240 -p no:cacheprovider \
       "$here/$t" 2>&1 | tail -8 >> "$out/tests.txt"
