@@ -43,6 +43,22 @@ def do_bench_ms(fn: Callable[[], object], warmup_ms: int = 50, rep_ms: int = 300
     return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
 
 
+def kernel_ms(fn: Callable[[], object], calls: int = 20) -> float:
+    """The GPU's own time per call of ``fn``: every kernel's time (torch.profiler) over
+    ``calls`` calls, summed, per call; no host time in it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    cuda = torch.autograd.DeviceType.CUDA
+    total = sum(e.device_time_total for e in prof.key_averages() if e.device_type == cuda)
+    return total / calls / 1e3
+
+
 def warm_gpu(fn: Callable[[], object] | None = None, seconds: float = 2.0) -> None:
     """Run ``fn`` (default: a 256 MiB device copy) for ``seconds`` before any timing. On a
     freshly started H200 (SM clock at 345 MHz when idle) the first kernel timed after 250 ms

@@ -154,3 +154,13 @@ def per_group_tiling(group_dim: int, interpreted: bool) -> RowBlockTiling | Colw
     if interpreted:
         return INTERPRET_ROWWISE_TILING if group_dim == 1 else INTERPRET_COLWISE_TILING
     return ROWWISE_TILING if group_dim == 1 else COLWISE_TILING
+
+
+# Both FP8 copies of expert weights in two reads (grouped/weight_scales.py): the row kernel
+# holds whole rows like row_scales (ROW_SCALES_TILE elements per step) and takes
+# WEIGHT_SCALES_ROWS rows of one expert per program, halved while the launch has fewer than
+# WEIGHT_SCALES_MIN_PROGRAMS programs (one atomic max per column per program). Untuned
+# starting values.
+WEIGHT_SCALES_ROWS = 128
+WEIGHT_SCALES_MIN_PROGRAMS = 1024
+WEIGHT_SCALES_NUM_WARPS = 4

@@ -333,9 +333,10 @@ def _layer_reuse(rank, world):
     end."""
     fr._scaled_gmm = _emulated_op  # (this process only)
     gm.gemm_path = lambda x, precision: "scaled" if precision == "fp8_rowwise" else "loop"
-    casts = []
-    per_column = fr._weights_per_column
+    casts = []  # the forward's cast of w alone, or both of w's copies in one pass
+    per_column, both = fr._weights_per_column, fr.weight_scales
     fr._weights_per_column = lambda w: casts.append(w.dtype) or per_column(w)
+    fr.weight_scales = lambda w: casts.append(w.dtype) or both(w)
     layer = ExpertParallelMoE(64, 32, 4, 2, exchange="bf16", precision="fp8_rowwise")
     x = torch.randn(24, 64)
     offs = torch.tensor([5, 5, 17, 24], dtype=torch.int32)

@@ -14,6 +14,7 @@ import torch
 from .._common import contiguous
 from .per_group_scales import expert_column_scales, padded_token_scales
 from .row_scales import row_scales
+from .weight_scales import weight_scales
 
 _FP8_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -77,8 +78,8 @@ def fp8_rowwise_weights(w: torch.Tensor) -> Fp8Weights:
         what = (tuple(w.shape), w.dtype) if isinstance(w, torch.Tensor) else type(w).__name__
         raise ValueError(f"fp8_rowwise_weights: w must be a 3-D bf16 or fp32 tensor, got {what}")
     with torch.no_grad():
-        w = w.detach().contiguous()
-        return Fp8Weights(*_weights_per_column(w), *_weights_per_row(w))
+        by_column, col_s, by_row, row_s = weight_scales(w.detach().contiguous())
+        return Fp8Weights(by_column, col_s.reciprocal(), by_row, row_s.reciprocal())
 
 
 def _fp8_forward(x, w, offs, cached: list[torch.Tensor]) -> torch.Tensor:
@@ -92,17 +93,18 @@ def _fp8_forward(x, w, offs, cached: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _fp8_grads(
-    x, w, offs, grad, cached: list[torch.Tensor], hp_grad_w: bool, need_x: bool, need_w: bool
+    x, w, offs, grad, by_row: list[torch.Tensor], hp_grad_w: bool, need_x: bool, need_w: bool
 ):
-    """(grad_x [M, K] in x's dtype or None, grad_w [E, K, N] in w's dtype or None); with
-    ``hp_grad_w`` grad_w unscaled in bf16 (torch._grouped_mm of x^T and grad_out)."""
+    """(grad_x [M, K] in x's dtype or None, grad_w [E, K, N] in w's dtype or None); by_row:
+    an Fp8Weights' by_row and row_inv, or empty; with ``hp_grad_w`` grad_w unscaled in bf16
+    (torch._grouped_mm of x^T and grad_out)."""
     if x.shape[0] == 0:
         return torch.zeros_like(x), torch.zeros_like(w)
     grad = contiguous(grad)
     gx = gw = None
     if need_x:
         gq, gs = _scale_rows(grad)
-        wq, ws = cached[2:] if cached else _weights_per_row(w)
+        wq, ws = by_row if by_row else _weights_per_row(w)
         gx = _scaled_gmm(gq, wq, gs, ws, offs).to(x.dtype)
     if need_w and hp_grad_w:  # x^T column-major, grad row-major: 2-D x 2-D, as for bf16
         gw = torch._grouped_mm(x.t(), grad, offs=offs)
@@ -135,14 +137,15 @@ def _(x, w, offs, cached, hp_grad_w):
 
 def _fp8_setup_context(ctx, inputs, output) -> None:
     x, w, offs, cached, hp_grad_w = inputs
-    ctx.save_for_backward(x, w, offs, *cached)
+    ctx.save_for_backward(x, w, offs, *cached[2:])  # grad_x's copy of w, not the forward's
+    ctx.n_cached = len(cached)
     ctx.hp_grad_w = hp_grad_w
 
 
 def _fp8_backward(ctx, grad):
-    x, w, offs, *cached = ctx.saved_tensors
-    gx, gw = _fp8_grads(x, w, offs, grad, cached, ctx.hp_grad_w, *ctx.needs_input_grad[:2])
-    return gx, gw, None, [None] * len(cached), None  # one entry per input, lists as lists
+    x, w, offs, *by_row = ctx.saved_tensors
+    gx, gw = _fp8_grads(x, w, offs, grad, by_row, ctx.hp_grad_w, *ctx.needs_input_grad[:2])
+    return gx, gw, None, [None] * ctx.n_cached, None  # one entry per input, lists as lists
 
 
 fp8_rowwise_grouped_mm.register_autograd(_fp8_backward, setup_context=_fp8_setup_context)

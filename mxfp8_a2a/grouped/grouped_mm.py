@@ -39,7 +39,12 @@ import functools
 import torch
 
 from .._common import contiguous
-from .fp8_rowwise import Fp8Weights, check_fp8_weights, fp8_rowwise_grouped_mm
+from .fp8_rowwise import (
+    Fp8Weights,
+    check_fp8_weights,
+    fp8_rowwise_grouped_mm,
+    fp8_rowwise_weights,
+)
 from .grouped_mm_reference import grouped_mm_reference
 
 PRECISIONS = ("bf16", "fp8_rowwise", "fp8_rowwise_gw_hp")
@@ -226,7 +231,10 @@ def grouped_mm(
             the reference run instead (``HAS_GROUPED_MM``, ``HAS_SCALED_GROUPED_MM``).
             "fp8_rowwise_gw_hp" (bf16 inputs): the forward and grad_x of "fp8_rowwise",
             grad_w unscaled in bf16 as for "bf16" (torch._grouped_mm): no per-group casts
-            along the tokens, and grad_w as exact as bf16's.
+            along the tokens, and grad_w as exact as bf16's. With the FP8 precisions, when
+            x requires grad the forward makes both FP8 copies of w in one pass
+            (``fp8_rowwise_weights``: two reads of w instead of three) and keeps grad_x's
+            for the backward: 1 byte per element of w held from forward to backward.
         fp8_weights: with the FP8 precisions, ``fp8_rowwise_weights(w)`` made earlier for this
             same, unchanged w: the call uses those casts instead of making its own (the
             caller vouches that w has not changed since; the results are the same bits).
@@ -250,6 +258,8 @@ def grouped_mm(
     if path == "reference":
         return grouped_mm_reference(x, w, offs, precision=precision)
     if path == "scaled":
+        if fp8_weights is None and x.requires_grad and torch.is_grad_enabled():
+            fp8_weights = fp8_rowwise_weights(w)  # grad_x's copy of w made with the forward's
         cached = [] if fp8_weights is None else list(fp8_weights)
         hp = precision == "fp8_rowwise_gw_hp"
         return fp8_rowwise_grouped_mm(x.contiguous(), w.contiguous(), offs, cached, hp)

@@ -96,12 +96,19 @@ def _colwise_rows(c: _config.ColwiseTiling, rows: int, extent: int, strips: int)
 
 
 def _colwise(
-    x: torch.Tensor, offs: torch.Tensor, pow2: bool, data: torch.Tensor, pad: torch.Tensor | None
+    x: torch.Tensor,
+    offs: torch.Tensor,
+    pow2: bool,
+    data: torch.Tensor,
+    pad: torch.Tensor | None,
+    amax: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The colwise kernels (kernels_colwise.py): x [B, extent, n_other], groups along dim 1,
     any strides; data uint8 [B, dest_extent, n_other], any strides, every element written
     (dest_extent: extent, or with ``pad`` int32 [G] the padded length, which receives the
-    padded end offsets). Returns scales fp32 [B, G, n_other]. No host synchronization."""
+    padded end offsets). ``amax``: int32 [B, G, n_other], the amax bits of every group
+    already reduced (the amax launch is skipped; weight_scales.py makes them). Returns
+    scales fp32 [B, G, n_other]. No host synchronization."""
     soft = x.device.type == "cpu"
     c = _config.per_group_tiling(0, interpreted=soft)
     batch, extent, n_other = x.shape
@@ -113,12 +120,16 @@ def _colwise(
     if g == 0:  # no group: nothing for the kernels to write, all data 0
         data.zero_()
         return scales
-    ws = torch.zeros((batch, g, n_other), dtype=torch.int32, device=x.device)
+    ws = (
+        torch.zeros((batch, g, n_other), dtype=torch.int32, device=x.device)
+        if amax is None
+        else amax
+    )
     int64 = max(_extent(x), _extent(data), ws.numel()) >= INT64_FROM
     n_strips = max(1, cdiv(n_other, c.block_other))
     common = dict(SOFT=soft, INT64=int64, BO=c.block_other, SUB=c.sub,
                   BG=max(2, next_pow2(g)), num_warps=c.num_warps)  # fmt: skip
-    if extent and n_other:
+    if extent and n_other and amax is None:
         rows = _colwise_rows(c, c.amax_rows, extent, n_strips * batch)
         _amax_kernel[(cdiv(extent, rows) * n_strips, batch)](
             x, offs, ws, n_other, extent, g, x.stride(0), x.stride(2), x.stride(1), n_strips,

@@ -1,0 +1,108 @@
+"""Both FP8 copies of expert weights (precision="fp8_rowwise": the forward's per (expert,
+column), grad_x's per (expert, row)) at the MoE benchmark's weight shapes: one op that reads
+w twice (grouped/weight_scales.py) against the two casts apart (expert_column_scales, which
+reads w twice, and row_scales, once), beside a device copy.
+
+    python benchmarks/bench_weight_scales.py [--shape 32x7168x2048 ...] [--rounds 3]
+        [--rows 128 --warps 4 ...] [--json out.json]
+
+Times: "kernel ms", the GPU's own time per call (torch.profiler, all kernels summed, no host
+time), and do_bench's median ms (back-to-back calls: the larger of the GPU's and the host's
+time), each the fastest over ``--rounds`` interleaved rounds. GB/s effective: w read once and
+both copies written once (4 bytes per bf16 element, as a device copy of w) over the kernel
+time. ``--rows`` / ``--warps`` (repeatable, paired) try other values of
+_config.WEIGHT_SCALES_ROWS / WEIGHT_SCALES_NUM_WARPS. Prints whether the one-pass op gives
+the bits of the two casts apart. Needs a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+from common import do_bench_ms, kernel_ms, report, warm_gpu
+
+from mxfp8_a2a import _config
+from mxfp8_a2a.grouped.per_group_scales import expert_column_scales
+from mxfp8_a2a.grouped.row_scales import row_scales
+from mxfp8_a2a.grouped.weight_scales import weight_scales
+
+# w1 [E, hidden, ffn] and w2 [E, ffn, hidden] of bench_moe_layer.py's two shapes
+DEFAULT_SHAPES = ["32x7168x2048", "32x2048x7168", "16x2048x768", "16x768x2048"]
+
+
+def _apart(w):
+    e, k, n = w.shape
+    by_column, col_s = expert_column_scales(w)
+    data, row_s = row_scales(w.reshape(e * k, n))
+    return by_column, col_s, data.view(e, k, n).transpose(1, 2), row_s.view(e, k)
+
+
+def _same(got, want) -> bool:
+    return all(
+        torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                    b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+        and a.stride() == b.stride()
+        for a, b in zip(got, want, strict=True)
+    )  # fmt: skip
+
+
+def bench_shape(text: str, settings: list[tuple[int, int]], rounds: int) -> list[dict]:
+    e, k, n = (int(v) for v in text.lower().split("x"))
+    w = torch.randn(e, k, n, device="cuda", dtype=torch.bfloat16) * 3
+    dst = torch.empty_like(w)
+    ops = [
+        ("device copy (bf16)", None, lambda: dst.copy_(w)),
+        ("two casts apart", None, lambda: _apart(w)),
+    ]
+    for rows, warps in settings:
+        ops.append(
+            (f"one pass, rows {rows}, {warps} warps", (rows, warps), lambda: weight_scales(w))
+        )
+    want = _apart(w)
+    kernel: dict[str, list[float]] = {name: [] for name, *_ in ops}
+    bench: dict[str, list[float]] = {name: [] for name, *_ in ops}
+    checks = {}
+    for _ in range(rounds):
+        for name, setting, fn in ops:
+            if setting:
+                _config.WEIGHT_SCALES_ROWS, _config.WEIGHT_SCALES_NUM_WARPS = setting
+            if setting and name not in checks:
+                checks[name] = _same(fn(), want)
+            kernel[name].append(kernel_ms(fn))
+            bench[name].append(do_bench_ms(fn))
+    nbytes = 4 * w.numel()
+    return [
+        {"shape": text, "op": name, "kernel ms": min(kernel[name]),
+         "do_bench ms": min(bench[name]), "GB/s (kernel)": nbytes / min(kernel[name]) / 1e6,
+         "same bits": checks.get(name, "")}
+        for name, *_ in ops
+    ]  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument(
+        "--shape", action="append", help=f"ExKxN (repeatable); default: {' '.join(DEFAULT_SHAPES)}"
+    )
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rows", type=int, action="append", help="WEIGHT_SCALES_ROWS to try")
+    p.add_argument("--warps", type=int, action="append", help="WEIGHT_SCALES_NUM_WARPS to try")
+    p.add_argument("--json", help="write the results to this JSON file")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("bench_weight_scales.py needs a CUDA GPU")
+    rows = args.rows or [_config.WEIGHT_SCALES_ROWS]
+    warps = args.warps or [_config.WEIGHT_SCALES_NUM_WARPS] * len(rows)
+    if len(warps) != len(rows):
+        sys.exit("--rows and --warps pair up: give as many of each")
+    warm_gpu()
+    results = []
+    for text in args.shape or DEFAULT_SHAPES:
+        results += bench_shape(text, list(zip(rows, warps, strict=True)), args.rounds)
+    report(results, args.json)
+
+
+if __name__ == "__main__":
+    main()

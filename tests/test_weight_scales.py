@@ -1,0 +1,92 @@
+"""Both FP8 copies of expert weights in one op (mxfp8_a2a.grouped.weight_scales) against
+their definitions: the forward's copy per (expert, column) as expert_column_reference, grad_x's
+per (expert, row) as the per-group reference with one group spanning each row; bit for bit on
+data of many magnitudes with NaN, inf, zeros, tiny and huge values in several experts, several
+programs per expert, rows wider than the kernel's limit, and bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import KERNEL_DEVICES, bits, fresh_generator
+from per_group_data import make_input
+
+from mxfp8_a2a import _config
+from mxfp8_a2a.grouped import weight_scales as ws
+from mxfp8_a2a.grouped.reference import expert_column_reference, per_group_rowwise_reference
+
+
+def _weights(e, k, n, dtype, device, g):
+    """[E, K, N] with special values planted in every expert's first rows."""
+    w = torch.cat([make_input((k, n), torch.float32, "cpu", g) for _ in range(e)])
+    return w.view(e, k, n).to(dtype).to(device)
+
+
+def _assert_matches_definitions(w, got):
+    e, k, n = w.shape
+    by_column, col_s, by_row, row_s = got
+    want_c, want_cs = expert_column_reference(w)
+    assert by_column.dtype == torch.float8_e4m3fn and by_column.stride() == (n * k, 1, k)
+    assert torch.equal(bits(by_column), bits(want_c))
+    torch.testing.assert_close(col_s, want_cs, rtol=0, atol=0, equal_nan=True)
+    whole = torch.full((1,), n, dtype=torch.int32, device=w.device)
+    want_r, want_rs = per_group_rowwise_reference(w.reshape(e * k, n), whole)
+    assert by_row.shape == (e, n, k) and by_row.stride() == (k * n, 1, n)
+    assert torch.equal(bits(by_row.transpose(1, 2).reshape(e * k, n)), bits(want_r))
+    torch.testing.assert_close(row_s, want_rs.view(e, k), rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.fixture(params=["shipped", "small"])
+def tiling(request, monkeypatch):
+    """The shipped tiling, or one with small steps and several programs per expert."""
+    if request.param == "small":
+        monkeypatch.setattr(_config, "ROW_SCALES_TILE", 256)
+        monkeypatch.setattr(_config, "WEIGHT_SCALES_ROWS", 16)
+    return request.param
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(3, 72, 40), (2, 37, 1000), (1, 5, 7168), (4, 33, 16)])
+def test_weight_scales_match_definitions(device, dtype, shape, tiling):
+    w = _weights(*shape, dtype, device, fresh_generator())
+    _assert_matches_definitions(w, ws.weight_scales(w))
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_weight_scales_program_counts(device, monkeypatch):
+    """Rows per program halve (in steps of whole row blocks) until the launch has enough
+    programs, never below one block; results do not depend on it."""
+    monkeypatch.setattr(_config, "WEIGHT_SCALES_ROWS", 128)
+    monkeypatch.setattr(_config, "WEIGHT_SCALES_MIN_PROGRAMS", 64)
+    assert ws._rows_per_program(7168, 32, 4) == 128  # 56 * 32 programs already
+    assert ws._rows_per_program(512, 4, 4) == 32  # 16 * 4
+    assert ws._rows_per_program(512, 4, 48) == 48  # one block at least
+    w = _weights(2, 100, 24, torch.bfloat16, device, fresh_generator())
+    _assert_matches_definitions(w, ws.weight_scales(w))
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_weight_scales_wide_rows_and_empty(device, monkeypatch):
+    """Rows wider than the row kernel's limit take the two casts apart: the same numbers;
+    an empty K gives empty copies."""
+    monkeypatch.setattr(_config, "ROW_SCALES_MAX_WIDTH", 32)
+    w = _weights(2, 40, 48, torch.bfloat16, device, fresh_generator())
+    _assert_matches_definitions(w, ws.weight_scales(w))
+    empty = ws.weight_scales(torch.zeros(3, 0, 16, dtype=torch.bfloat16, device=device))
+    assert [t.shape for t in empty] == [(3, 0, 16), (3, 16), (3, 16, 0), (3, 0)]
+
+
+def test_weight_scales_bad_input():
+    with pytest.raises(ValueError, match="contiguous 3-D bf16 or fp32"):
+        ws.weight_scales(torch.randn(4, 8))
+    with pytest.raises(ValueError, match="contiguous 3-D bf16 or fp32"):
+        ws.weight_scales(torch.randn(2, 16, 8).transpose(1, 2))
+    with pytest.raises(ValueError, match="contiguous 3-D bf16 or fp32"):
+        ws.weight_scales(torch.randn(2, 8, 16, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_weight_scales_op_passes_opcheck(device):
+    w = _weights(2, 40, 32, torch.bfloat16, device, fresh_generator())
+    torch.library.opcheck(ws._weight_scales_op, (w,), test_utils=("test_schema", "test_faketensor"))
