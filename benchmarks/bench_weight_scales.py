@@ -4,15 +4,15 @@ w twice (grouped/weight_scales.py) against the two casts apart (expert_column_sc
 reads w twice, and row_scales, once), beside a device copy.
 
     python benchmarks/bench_weight_scales.py [--shape 32x7168x2048 ...] [--rounds 3]
-        [--rows 128 --warps 4 ...] [--json out.json]
+        [--setting ROWS=128,NUM_WARPS=4 ...] [--json out.json]
 
 Times: "kernel ms", the GPU's own time per call (torch.profiler, all kernels summed, no host
 time), and do_bench's median ms (back-to-back calls: the larger of the GPU's and the host's
-time), each the fastest over ``--rounds`` interleaved rounds. GB/s effective: w read once and
-both copies written once (4 bytes per bf16 element, as a device copy of w) over the kernel
-time. ``--rows`` / ``--warps`` (repeatable, paired) try other values of
-_config.WEIGHT_SCALES_ROWS / WEIGHT_SCALES_NUM_WARPS. Prints whether the one-pass op gives
-the bits of the two casts apart. Needs a CUDA GPU.
+time), each the fastest over ``--rounds`` interleaved rounds, and the kernel time of each
+launch ("split", the fastest round's). GB/s effective: w read once and both copies written
+once (4 bytes per bf16 element, as a device copy of w) over the kernel time. ``--setting``
+(repeatable) tries other values of _config.WEIGHT_SCALES_* (KEY=VALUE,...; the prefix left
+out). Prints whether the one-pass op gives the bits of the two casts apart. Needs a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import argparse
 import sys
 
 import torch
-from common import do_bench_ms, kernel_ms, report, warm_gpu
+from common import do_bench_ms, kernels_ms, report, warm_gpu
 
 from mxfp8_a2a import _config
 from mxfp8_a2a.grouped.per_group_scales import expert_column_scales
@@ -48,37 +48,61 @@ def _same(got, want) -> bool:
     )  # fmt: skip
 
 
-def bench_shape(text: str, settings: list[tuple[int, int]], rounds: int) -> list[dict]:
+def _parse_setting(text: str) -> dict[str, int]:
+    out = {}
+    for item in text.split(","):
+        key, _, value = item.partition("=")
+        name = f"WEIGHT_SCALES_{key.strip().upper()}"
+        if not hasattr(_config, name) or not value:
+            raise SystemExit(
+                f"--setting: {item!r} is not KEY=VALUE of a _config.WEIGHT_SCALES_* name"
+            )
+        out[name] = int(value)
+    return out
+
+
+def _short(kernel: str) -> str:
+    return kernel.split("(")[0].split("<")[0][-28:]
+
+
+def bench_shape(text: str, settings: list[dict[str, int]], rounds: int) -> list[dict]:
     e, k, n = (int(v) for v in text.lower().split("x"))
     w = torch.randn(e, k, n, device="cuda", dtype=torch.bfloat16) * 3
     dst = torch.empty_like(w)
+    shipped = {name: getattr(_config, name) for s in settings for name in s}
     ops = [
-        ("device copy (bf16)", None, lambda: dst.copy_(w)),
-        ("two casts apart", None, lambda: _apart(w)),
+        ("device copy (bf16)", {}, lambda: dst.copy_(w)),
+        ("two casts apart", {}, lambda: _apart(w)),
     ]
-    for rows, warps in settings:
-        ops.append(
-            (f"one pass, rows {rows}, {warps} warps", (rows, warps), lambda: weight_scales(w))
-        )
+    for setting in settings or [{}]:
+        label = ",".join(f"{k[14:].lower()}={v}" for k, v in setting.items()) or "shipped"
+        ops.append((f"one pass, {label}", setting, lambda: weight_scales(w)))
     want = _apart(w)
-    kernel: dict[str, list[float]] = {name: [] for name, *_ in ops}
+    kernel: dict[str, list[dict[str, float]]] = {name: [] for name, *_ in ops}
     bench: dict[str, list[float]] = {name: [] for name, *_ in ops}
     checks = {}
     for _ in range(rounds):
         for name, setting, fn in ops:
-            if setting:
-                _config.WEIGHT_SCALES_ROWS, _config.WEIGHT_SCALES_NUM_WARPS = setting
-            if setting and name not in checks:
+            for key, value in {**shipped, **setting}.items():
+                setattr(_config, key, value)
+            if name.startswith("one pass") and name not in checks:
                 checks[name] = _same(fn(), want)
-            kernel[name].append(kernel_ms(fn))
+            kernel[name].append(kernels_ms(fn))
             bench[name].append(do_bench_ms(fn))
+    for key, value in shipped.items():
+        setattr(_config, key, value)
     nbytes = 4 * w.numel()
-    return [
-        {"shape": text, "op": name, "kernel ms": min(kernel[name]),
-         "do_bench ms": min(bench[name]), "GB/s (kernel)": nbytes / min(kernel[name]) / 1e6,
-         "same bits": checks.get(name, "")}
-        for name, *_ in ops
-    ]  # fmt: skip
+    rows = []
+    for name, *_ in ops:
+        best = min(kernel[name], key=lambda d: sum(d.values()))
+        ms = sum(best.values())
+        split = " + ".join(f"{_short(k)} {v * 1e3:.0f}" for k, v in best.items() if v > 0.002)
+        rows.append(
+            {"shape": text, "op": name, "kernel ms": ms, "do_bench ms": min(bench[name]),
+             "GB/s (kernel)": nbytes / ms / 1e6, "same bits": checks.get(name, ""),
+             "split (us)": split}
+        )  # fmt: skip
+    return rows
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -87,20 +111,16 @@ def main(argv: list[str] | None = None) -> None:
         "--shape", action="append", help=f"ExKxN (repeatable); default: {' '.join(DEFAULT_SHAPES)}"
     )
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--rows", type=int, action="append", help="WEIGHT_SCALES_ROWS to try")
-    p.add_argument("--warps", type=int, action="append", help="WEIGHT_SCALES_NUM_WARPS to try")
+    p.add_argument("--setting", action="append", default=[], help="KEY=VALUE,... to try")
     p.add_argument("--json", help="write the results to this JSON file")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_weight_scales.py needs a CUDA GPU")
-    rows = args.rows or [_config.WEIGHT_SCALES_ROWS]
-    warps = args.warps or [_config.WEIGHT_SCALES_NUM_WARPS] * len(rows)
-    if len(warps) != len(rows):
-        sys.exit("--rows and --warps pair up: give as many of each")
+    settings = [_parse_setting(s) for s in args.setting]
     warm_gpu()
     results = []
     for text in args.shape or DEFAULT_SHAPES:
-        results += bench_shape(text, list(zip(rows, warps, strict=True)), args.rounds)
+        results += bench_shape(text, settings, args.rounds)
     report(results, args.json)
 
 

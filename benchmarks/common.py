@@ -43,9 +43,9 @@ def do_bench_ms(fn: Callable[[], object], warmup_ms: int = 50, rep_ms: int = 300
     return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
 
 
-def kernel_ms(fn: Callable[[], object], calls: int = 20) -> float:
-    """The GPU's own time per call of ``fn``: every kernel's time (torch.profiler) over
-    ``calls`` calls, summed, per call; no host time in it."""
+def kernels_ms(fn: Callable[[], object], calls: int = 20) -> dict[str, float]:
+    """The GPU's own time per call of ``fn``, kernel by kernel (torch.profiler over ``calls``
+    calls): kernel name -> ms per call; no host time in it."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -55,8 +55,11 @@ def kernel_ms(fn: Callable[[], object], calls: int = 20) -> float:
             fn()
         torch.cuda.synchronize()
     cuda = torch.autograd.DeviceType.CUDA
-    total = sum(e.device_time_total for e in prof.key_averages() if e.device_type == cuda)
-    return total / calls / 1e3
+    return {
+        e.key: e.device_time_total / calls / 1e3
+        for e in prof.key_averages()
+        if e.device_type == cuda and e.count
+    }
 
 
 def warm_gpu(fn: Callable[[], object] | None = None, seconds: float = 2.0) -> None:

@@ -164,3 +164,5 @@ def per_group_tiling(group_dim: int, interpreted: bool) -> RowBlockTiling | Colw
 WEIGHT_SCALES_ROWS = 128
 WEIGHT_SCALES_MIN_PROGRAMS = 1024
 WEIGHT_SCALES_NUM_WARPS = 4
+WEIGHT_SCALES_ACC_TILE = True
+WEIGHT_SCALES_STAGES = 0
