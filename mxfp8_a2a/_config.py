@@ -159,10 +159,14 @@ def per_group_tiling(group_dim: int, interpreted: bool) -> RowBlockTiling | Colw
 # Both FP8 copies of expert weights in two reads (grouped/weight_scales.py): the row kernel
 # holds whole rows like row_scales (ROW_SCALES_TILE elements per step) and takes
 # WEIGHT_SCALES_ROWS rows of one expert per program, halved while the launch has fewer than
-# WEIGHT_SCALES_MIN_PROGRAMS programs (one atomic max per column per program). Untuned
-# starting values.
+# WEIGHT_SCALES_MIN_PROGRAMS programs (one atomic max per column per program), with
+# WEIGHT_SCALES_STAGES loads in flight. H200, fastest of 3 interleaved rounds
+# (benchmarks/bench_weight_scales.py, results/2026-12-02/weight_scales_sweep.txt), the row
+# kernel's time at [32, 7168, 2048] / [32, 2048, 7168]: 429 / 460 us without pipelining,
+# 442 / 473 at 2 stages, 361 / 375 at 3 (row_scales alone: 321 / 320); 32 rows per program
+# 553 / 494; the column amax reduced per row block instead of per tile: the same at these
+# shapes, 49 -> 90 us at [16, 2048, 768].
 WEIGHT_SCALES_ROWS = 128
 WEIGHT_SCALES_MIN_PROGRAMS = 1024
 WEIGHT_SCALES_NUM_WARPS = 4
-WEIGHT_SCALES_ACC_TILE = True
-WEIGHT_SCALES_STAGES = 0
+WEIGHT_SCALES_STAGES = 3

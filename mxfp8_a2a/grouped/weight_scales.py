@@ -35,12 +35,13 @@ from .row_scales import row_scales
 def _weight_rows_kernel(
     w_ptr, data_ptr, scale_ptr, ws_ptr, k, n, rows,
     SOFT: tl.constexpr, INT64: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-    ACC_TILE: tl.constexpr, STAGES: tl.constexpr,
+    STAGES: tl.constexpr,
 ):  # fmt: skip
     """w [E, K, N] contiguous; data uint8 e4m3 bits [E * K, N] row-major, one scale per row
     (scale fp32 [E * K]); ws int32 [E, N], zeroed: max of the column amax bits of every
     program. Grid (cdiv(K, rows), E): program (t, e) takes rows [t * rows, (t + 1) * rows) of
-    expert e (rows: a multiple of BLOCK_R; BLOCK_C >= N), BLOCK_R whole rows at a time."""
+    expert e (rows: a multiple of BLOCK_R; BLOCK_C >= N), BLOCK_R whole rows at a time,
+    STAGES loads in flight (software pipelining; None: one at a time)."""
     t = tl.program_id(0)
     e = tl.program_id(1)
     c = tl.arange(0, BLOCK_C)
@@ -48,10 +49,7 @@ def _weight_rows_kernel(
     k0 = t * rows
     k1 = tl.minimum(k0 + rows, k)
     base = e.to(tl.int64) * k if INT64 else e * k
-    if ACC_TILE:
-        col = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.int32)
-    else:
-        col = tl.zeros((BLOCK_C,), dtype=tl.int32)
+    col = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.int32)  # elementwise, reduced once at the end
     for r0 in tl.range(k0, k1, BLOCK_R, num_stages=STAGES):
         r = r0 + tl.arange(0, BLOCK_R)
         rmask = r < k1
@@ -63,14 +61,9 @@ def _weight_rows_kernel(
         tl.store(data_ptr + offsets, _e4m3_bits(x * scale[:, None], SOFT), mask=mask)
         tl.store(scale_ptr + row, scale, mask=rmask)
         # masked lanes loaded 0.0: bits 0, below every amax
-        if ACC_TILE:
-            col = tl.maximum(col, x.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
-        else:
-            col = tl.maximum(col, tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=0))
-    if ACC_TILE:
-        col = tl.max(col, axis=0)
+        col = tl.maximum(col, x.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
     ws = ws_ptr + (e.to(tl.int64) * n if INT64 else e * n)
-    tl.atomic_max(ws + c, col, mask=cmask, sem="relaxed")
+    tl.atomic_max(ws + c, tl.max(col, axis=0), mask=cmask, sem="relaxed")
 
 
 def _rows_per_program(k: int, e: int, block_r: int) -> int:
@@ -97,8 +90,8 @@ def _weight_scales_op(
     _weight_rows_kernel[(cdiv(k, rows), e)](
         w, by_row, row_s, ws, k, n, rows, SOFT=w.device.type == "cpu",
         INT64=max(w.numel(), ws.numel()) + block_c >= INT64_FROM,
-        BLOCK_R=block_r, BLOCK_C=block_c, ACC_TILE=_config.WEIGHT_SCALES_ACC_TILE,
-        STAGES=_config.WEIGHT_SCALES_STAGES or None, num_warps=_config.WEIGHT_SCALES_NUM_WARPS,
+        BLOCK_R=block_r, BLOCK_C=block_c, STAGES=_config.WEIGHT_SCALES_STAGES or None,
+        num_warps=_config.WEIGHT_SCALES_NUM_WARPS,
     )  # fmt: skip
     offs = torch.full((1,), k, dtype=torch.int32, device=w.device)
     col_s = _colwise(w, offs, False, by_column, None, amax=ws)
