@@ -170,3 +170,10 @@ WEIGHT_SCALES_ROWS = 128
 WEIGHT_SCALES_MIN_PROGRAMS = 1024
 WEIGHT_SCALES_NUM_WARPS = 4
 WEIGHT_SCALES_STAGES = 3
+# grouped_mm's FP8 forward makes both copies at once (and keeps grad_x's for the backward)
+# for weights of this many elements up; smaller ones are cast per use as before. Same runs:
+# at [32, 7168, 2048] (470M elements) the one pass takes 697 us of kernels against 882 us
+# for the casts apart, and the experts' step replayed from a CUDA graph 283-381 us less
+# (experts_step_ab_*.txt); at [16, 2048, 768] (25M) 70 against 64 us, and the eager
+# 8192x2048 steps were not faster (2348-2413 us graphed either way).
+WEIGHT_SCALES_IN_FORWARD_FROM = 1 << 26

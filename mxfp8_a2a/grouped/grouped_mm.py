@@ -38,6 +38,7 @@ import functools
 
 import torch
 
+from .. import _config
 from .._common import contiguous
 from .fp8_rowwise import (
     Fp8Weights,
@@ -232,7 +233,8 @@ def grouped_mm(
             "fp8_rowwise_gw_hp" (bf16 inputs): the forward and grad_x of "fp8_rowwise",
             grad_w unscaled in bf16 as for "bf16" (torch._grouped_mm): no per-group casts
             along the tokens, and grad_w as exact as bf16's. With the FP8 precisions, when
-            x requires grad the forward makes both FP8 copies of w in one pass
+            x requires grad and w is large (``_config.WEIGHT_SCALES_IN_FORWARD_FROM``
+            elements), the forward makes both FP8 copies of w in one pass
             (``fp8_rowwise_weights``: two reads of w instead of three) and keeps grad_x's
             for the backward: 1 byte per element of w held from forward to backward.
         fp8_weights: with the FP8 precisions, ``fp8_rowwise_weights(w)`` made earlier for this
@@ -258,7 +260,8 @@ def grouped_mm(
     if path == "reference":
         return grouped_mm_reference(x, w, offs, precision=precision)
     if path == "scaled":
-        if fp8_weights is None and x.requires_grad and torch.is_grad_enabled():
+        big = w.numel() >= _config.WEIGHT_SCALES_IN_FORWARD_FROM
+        if fp8_weights is None and big and x.requires_grad and torch.is_grad_enabled():
             fp8_weights = fp8_rowwise_weights(w)  # grad_x's copy of w made with the forward's
         cached = [] if fp8_weights is None else list(fp8_weights)
         hp = precision == "fp8_rowwise_gw_hp"
