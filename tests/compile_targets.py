@@ -26,6 +26,7 @@ from mxfp8_a2a.formats.roundtrip import _roundtrip_kernel  # noqa: E402
 from mxfp8_a2a.grouped.kernels import _row_block_kernel  # noqa: E402
 from mxfp8_a2a.grouped.kernels_colwise import _amax_kernel, _cast_kernel  # noqa: E402
 from mxfp8_a2a.grouped.row_scales import _row_scales_kernel  # noqa: E402
+from mxfp8_a2a.grouped.weight_scales import _weight_rows_kernel  # noqa: E402
 
 I32 = "i32"
 GAP = ["n_groups", "groups_per_row", "gap_at", "gap_len"]
@@ -106,18 +107,28 @@ def per_group_builds(cap):
     sig.update(data_ptr="*u8", pad_ptr="*i32")
     # the grad_w operand: row-major x, transposed padded data
     consts = {"sxo": 1, "sdg": 1, "ROUND_POW2": True, "PAD": True, "BL": col.cast_rows}
-    consts |= {"ALIGN": 16, "STAGES": col.cast_stages or None, **common}
+    consts |= {"ALIGN": 16, "STAGES": col.cast_stages or None, "INVERSE": True, **common}
     aligned = names[:7] + ["dest_extent", "sxb", "sxg", "sdb", "sdo"]
     ptx = build(_cast_kernel, sig, consts, cap, aligned, col.num_warps)
     yield "per_group_colwise_cast", "bf16", ptx
     # per-row scales of a row-major [R, 2048] (the MoE benchmark's narrower operands)
     names = ["x_ptr", "data_ptr", "scale_ptr", "n_rows", "n_cols", "sxr", "sxc"]
     sig = dict.fromkeys(names, I32) | {"x_ptr": "*bf16", "data_ptr": "*u8", "scale_ptr": "*fp32"}
-    consts = {"sxc": 1, "ROUND_POW2": False, "SOFT": False, "INT64": False}
+    consts = {"sxc": 1, "ROUND_POW2": False, "SOFT": False, "INT64": False, "INVERSE": True}
     consts |= {"BLOCK_R": _config.ROW_SCALES_TILE // 2048, "BLOCK_C": 2048}
     aligned = ["x_ptr", "data_ptr", "scale_ptr", "n_cols", "sxr"]
     ptx = build(_row_scales_kernel, sig, consts, cap, aligned, _config.ROW_SCALES_NUM_WARPS)
     yield "per_group_row_scales", "bf16", ptx
+    # both copies of a [E, 7168, 2048] weight: its row kernel
+    names = ["w_ptr", "data_ptr", "scale_ptr", "ws_ptr", "k", "n", "rows"]
+    sig = dict.fromkeys(names, I32) | {"w_ptr": "*bf16", "data_ptr": "*u8", "scale_ptr": "*fp32"}
+    sig["ws_ptr"] = "*i32"
+    consts = {"SOFT": False, "INT64": False, "INVERSE": True, "BLOCK_C": 2048}
+    consts |= {"BLOCK_R": _config.ROW_SCALES_TILE // 2048}
+    consts["STAGES"] = _config.WEIGHT_SCALES_STAGES or None
+    aligned = ["w_ptr", "data_ptr", "scale_ptr", "ws_ptr", "k", "n", "rows"]
+    ptx = build(_weight_rows_kernel, sig, consts, cap, aligned, _config.WEIGHT_SCALES_NUM_WARPS)
+    yield "per_group_weight_rows", "bf16", ptx
 
 
 for cap in (90, 100):

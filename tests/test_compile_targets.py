@@ -22,7 +22,7 @@ def builds():
 
 
 def test_every_variant_compiles(builds):
-    assert len(builds) == 2 * (2 * 2 + 2 + 2 + 1 + 6)
+    assert len(builds) == 2 * (2 * 2 + 2 + 2 + 1 + 7)
 
 
 def test_per_group_kernels_move_whole_vectors(builds):

@@ -206,7 +206,7 @@ def test_weights_cast_in_one_pass_in_the_forward(emulated, monkeypatch, precisio
     monkeypatch.setattr(_config, "WEIGHT_SCALES_IN_FORWARD_FROM", 0)
     per_row, both = [], fr.weight_scales
     monkeypatch.setattr(fr, "_weights_per_row", lambda w: per_row.append(w) or None)
-    monkeypatch.setattr(fr, "weight_scales", lambda w: per_row.append("both") or both(w))
+    monkeypatch.setattr(fr, "weight_scales", lambda w, **k: per_row.append("both") or both(w, **k))
     for a, b in zip(_fwd_bwd(fn, *args), per_use, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert per_row == ["both"]
@@ -357,7 +357,7 @@ def _layer_reuse(rank, world):
     casts = []  # the forward's cast of w alone, or both of w's copies in one pass
     per_column, both = fr._weights_per_column, fr.weight_scales
     fr._weights_per_column = lambda w: casts.append(w.dtype) or per_column(w)
-    fr.weight_scales = lambda w: casts.append(w.dtype) or both(w)
+    fr.weight_scales = lambda w, **k: casts.append(w.dtype) or both(w, **k)
     layer = ExpertParallelMoE(64, 32, 4, 2, exchange="bf16", precision="fp8_rowwise")
     x = torch.randn(24, 64)
     offs = torch.tensor([5, 5, 17, 24], dtype=torch.int32)

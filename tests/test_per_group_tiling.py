@@ -64,6 +64,22 @@ def test_padded_token_scales_defined_for_bad_offsets(device, int64, monkeypatch)
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_grouped_gemm_operands_inverse(device):
+    """inverse=True: the same data and offsets, the scales as torch.reciprocal gives them."""
+    g = fresh_generator()
+    x = make_input((203, 40), torch.bfloat16, device, g)
+    x[5, 3] = float("inf")  # a zero scale: an inf multiplier
+    offs = make_offsets(203, 7, g, "with_empty").to(device)
+    plain, inv = (per_group_scales.padded_token_scales(x, offs, i) for i in (False, True))
+    assert torch.equal(bits(plain[0]), bits(inv[0])) and torch.equal(plain[2], inv[2])
+    torch.testing.assert_close(inv[1], plain[1].reciprocal(), rtol=0, atol=0, equal_nan=True)
+    w = x[:200].reshape(5, 40, 40)
+    plain, inv = (per_group_scales.expert_column_scales(w, i) for i in (False, True))
+    assert torch.equal(bits(plain[0]), bits(inv[0])) and plain[0].stride() == inv[0].stride()
+    torch.testing.assert_close(inv[1], plain[1].reciprocal(), rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_padded_token_scales_without_columns_or_groups(device):
     """K = 0 still gives the padded offsets; no groups give all-zero data."""
     x = torch.randn(37, 0, dtype=torch.bfloat16, device=device)

@@ -104,6 +104,25 @@ def test_row_scales_empty(device):
             _assert_same(rs.row_scales(x, pow2), _want(x, pow2))
 
 
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_row_scales_inverse(device, monkeypatch):
+    """inverse=True: the same data, the scales as torch.reciprocal gives them (bit for bit,
+    inf for a zero scale, NaN for NaN), from the one-pass kernel, the per-group path for
+    wide rows, and rows without columns."""
+    x = make_input((70, 300), torch.bfloat16, device, fresh_generator())
+    x[9, 0] = float("inf")  # a row whose scale is 0
+    for width in (_config.ROW_SCALES_MAX_WIDTH, 64):
+        monkeypatch.setattr(_config, "ROW_SCALES_MAX_WIDTH", width)
+        data, scales = rs.row_scales(x)
+        got = rs.row_scales(x, inverse=True)
+        _assert_same(got, (data, scales.reciprocal()))
+    empty = torch.zeros(3, 0, dtype=torch.bfloat16, device=device)
+    _assert_same(
+        rs.row_scales(empty, inverse=True),
+        (rs.row_scales(empty)[0], rs.row_scales(empty)[1].reciprocal()),
+    )
+
+
 def test_row_scales_bad_input():
     with pytest.raises(ValueError, match="2-D bf16 or fp32"):
         rs.row_scales(torch.zeros(2, 3, 4))

@@ -77,6 +77,21 @@ def test_weight_scales_wide_rows_and_empty(device, monkeypatch):
     assert [t.shape for t in empty] == [(3, 0, 16), (3, 16), (3, 16, 0), (3, 0)]
 
 
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_weight_scales_inverse(device, monkeypatch):
+    """inverse=True: the same copies, both scales as torch.reciprocal gives them, in the one
+    op and in the casts apart (rows wider than the row kernel's limit)."""
+    w = _weights(3, 40, 48, torch.bfloat16, device, fresh_generator())
+    w[1, 7, 5] = float("inf")  # zero scales in a row and a column: inf multipliers
+    for width in (_config.ROW_SCALES_MAX_WIDTH, 32):
+        monkeypatch.setattr(_config, "ROW_SCALES_MAX_WIDTH", width)
+        plain, inv = ws.weight_scales(w), ws.weight_scales(w, inverse=True)
+        for a, b in zip(plain[::2], inv[::2], strict=True):
+            assert torch.equal(bits(a), bits(b)) and a.stride() == b.stride()
+        for a, b in zip(plain[1::2], inv[1::2], strict=True):
+            torch.testing.assert_close(b, a.reciprocal(), rtol=0, atol=0, equal_nan=True)
+
+
 def test_weight_scales_bad_input():
     with pytest.raises(ValueError, match="contiguous 3-D bf16 or fp32"):
         ws.weight_scales(torch.randn(4, 8))

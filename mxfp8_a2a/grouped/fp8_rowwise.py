@@ -26,15 +26,13 @@ def _scaled_gmm(a, b, scale_a, scale_b, offs) -> torch.Tensor:
 
 def _scale_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """t [R, C] -> e4m3 [R, C] row-major with one scale per row, reciprocal scales fp32 [R]."""
-    data, scales = row_scales(t)
-    return data, scales.reciprocal()
+    return row_scales(t, inverse=True)
 
 
 def _weights_per_column(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [E, K, N] -> e4m3 [E, K, N] column-major, one scale per (expert, column of N):
     reciprocals fp32 [E, N] (the forward's mat_b)."""
-    data, scales = expert_column_scales(w)
-    return data, scales.reciprocal()
+    return expert_column_scales(w, True)
 
 
 def _weights_per_row(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,9 +46,9 @@ def _weights_per_row(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _fp8_grad_w(x: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """grad_w [E, K, N] bf16: x^T (K, M) and grad^T (N, M) scaled per (group, row) along the
     tokens, written with 16-aligned non-empty token groups, then one 2-D x 2-D FP8 GEMM."""
-    a, sx, pad_offs = padded_token_scales(x, offs)  # (K, cap) row-major
-    b, sg, _ = padded_token_scales(grad, offs)  # (N, cap) row-major: b.t() column-major
-    return _scaled_gmm(a, b.t(), sx.reciprocal().reshape(-1), sg.reciprocal().reshape(-1), pad_offs)
+    a, sx, pad_offs = padded_token_scales(x, offs, True)  # (K, cap) row-major, 1 / scales
+    b, sg, _ = padded_token_scales(grad, offs, True)  # (N, cap) row-major: b.t() column-major
+    return _scaled_gmm(a, b.t(), sx.reshape(-1), sg.reshape(-1), pad_offs)
 
 
 class Fp8Weights(NamedTuple):
@@ -78,8 +76,7 @@ def fp8_rowwise_weights(w: torch.Tensor) -> Fp8Weights:
         what = (tuple(w.shape), w.dtype) if isinstance(w, torch.Tensor) else type(w).__name__
         raise ValueError(f"fp8_rowwise_weights: w must be a 3-D bf16 or fp32 tensor, got {what}")
     with torch.no_grad():
-        by_column, col_s, by_row, row_s = weight_scales(w.detach().contiguous())
-        return Fp8Weights(by_column, col_s.reciprocal(), by_row, row_s.reciprocal())
+        return Fp8Weights(*weight_scales(w.detach().contiguous(), inverse=True))
 
 
 def _fp8_forward(x, w, offs, cached: list[torch.Tensor]) -> torch.Tensor:

@@ -56,6 +56,15 @@ def _scales(amax_bits, ROUND_POW2: tl.constexpr):
 
 
 @triton.jit
+def _stored_scale(scale, INVERSE: tl.constexpr):
+    """scale, or with INVERSE its reciprocal 1 / scale, correctly rounded (torch.reciprocal's
+    value): the dequantization multiplier an FP8 GEMM takes, without a launch of its own."""
+    if INVERSE:
+        return tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+    return scale
+
+
+@triton.jit
 def _clamp_nan(y):
     """clamp to +-448 keeping NaN (canonical, positive) where torch.clamp keeps it."""
     y = tl.where(y > 448.0, 448.0, tl.where(y < -448.0, -448.0, y))

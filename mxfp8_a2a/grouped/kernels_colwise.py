@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from ..formats.bits import to_fp32
-from .kernels import _e4m3_bits, _offsets, _scales
+from .kernels import _e4m3_bits, _offsets, _scales, _stored_scale
 
 
 @triton.jit
@@ -173,12 +173,12 @@ def _cast_kernel(
     dest_extent, sxb, sxo, sxg, sdb, sdo, sdg, n_strips, n_chunks,
     ROUND_POW2: tl.constexpr, SOFT: tl.constexpr, INT64: tl.constexpr, PAD: tl.constexpr,
     BO: tl.constexpr, BL: tl.constexpr, SUB: tl.constexpr, BG: tl.constexpr,
-    ALIGN: tl.constexpr, STAGES: tl.constexpr,
+    ALIGN: tl.constexpr, STAGES: tl.constexpr, INVERSE: tl.constexpr,
 ):  # fmt: skip
     """data: uint8 e4m3 bits [batch, other, dest_extent] through strides (sdb, sdo, sdg), every
-    index written; scale: fp32 [batch, n_groups, n_other]; ws: the amax kernel's workspace;
-    pad_ptr: int32 [n_groups] padded end offsets (PAD). Grid: (n_chunks * n_strips, batch),
-    n_chunks = cdiv(dest_extent, BL)."""
+    index written; scale: fp32 [batch, n_groups, n_other] (INVERSE: their reciprocals); ws:
+    the amax kernel's workspace; pad_ptr: int32 [n_groups] padded end offsets (PAD). Grid:
+    (n_chunks * n_strips, batch), n_chunks = cdiv(dest_extent, BL)."""
     t = tl.program_id(0)
     b = tl.program_id(1)
     x_ptr = _batch(x_ptr, b, sxb, INT64)
@@ -210,7 +210,11 @@ def _cast_kernel(
         row = tl.cast(g, tl.int64) * n_other if INT64 else g * n_other
         amax = tl.load(ws_ptr + row + o, mask=omask, other=0, cache_modifier=".cg")
         scale = _scales(amax, ROUND_POW2)
-        tl.store(scale_ptr + row + o, scale, mask=o < tl.where(pg >= lo, n_other, 0))
+        tl.store(
+            scale_ptr + row + o,
+            _stored_scale(scale, INVERSE),
+            mask=o < tl.where(pg >= lo, n_other, 0),
+        )
         j0 = tl.maximum(pg, lo)
         j1 = tl.minimum(_pick(gi, r, g), hi)
         if (j0 % ALIGN == 0) & (j1 % ALIGN == 0):  # the same bounds, their alignment visible

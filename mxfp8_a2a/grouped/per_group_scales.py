@@ -22,6 +22,7 @@ from .kernels_colwise import _amax_kernel, _cast_kernel
 from .reference import (
     DATA_LAYOUTS,
     empty_data,
+    empty_group_scale,
     expert_column_reference,
     padded_length,
     padded_token_reference,
@@ -102,13 +103,14 @@ def _colwise(
     data: torch.Tensor,
     pad: torch.Tensor | None,
     amax: torch.Tensor | None = None,
+    inverse: bool = False,
 ) -> torch.Tensor:
     """The colwise kernels (kernels_colwise.py): x [B, extent, n_other], groups along dim 1,
     any strides; data uint8 [B, dest_extent, n_other], any strides, every element written
     (dest_extent: extent, or with ``pad`` int32 [G] the padded length, which receives the
     padded end offsets). ``amax``: int32 [B, G, n_other], the amax bits of every group
     already reduced (the amax launch is skipped; weight_scales.py makes them). Returns
-    scales fp32 [B, G, n_other]. No host synchronization."""
+    scales fp32 [B, G, n_other] (``inverse``: their reciprocals). No host synchronization."""
     soft = x.device.type == "cpu"
     c = _config.per_group_tiling(0, interpreted=soft)
     batch, extent, n_other = x.shape
@@ -116,7 +118,7 @@ def _colwise(
     scales = torch.empty((batch, g, n_other), dtype=torch.float32, device=x.device)
     # (with ``pad`` the cast kernel runs even without columns: it writes the padded offsets)
     if min(batch, dest_extent) == 0 or (n_other == 0 and pad is None):
-        return scales.fill_(scales_from_amax(torch.zeros(()), pow2).item())
+        return scales.fill_(empty_group_scale(pow2, inverse))
     if g == 0:  # no group: nothing for the kernels to write, all data 0
         data.zero_()
         return scales
@@ -140,7 +142,7 @@ def _colwise(
     _cast_kernel[(n_chunks * n_strips, batch)](
         x, offs, ws, scales, data, ws if pad is None else pad, n_other, extent, g, dest_extent,
         x.stride(0), x.stride(2), x.stride(1), data.stride(0), data.stride(2), data.stride(1),
-        n_strips, n_chunks, ROUND_POW2=pow2, PAD=pad is not None, BL=rows,
+        n_strips, n_chunks, ROUND_POW2=pow2, PAD=pad is not None, BL=rows, INVERSE=inverse,
         ALIGN=16 if data.stride(1) == 1 else 1, STAGES=c.cast_stages or None, **common,
     )  # fmt: skip
     return scales
@@ -173,25 +175,29 @@ def _kernels_run_on(device: torch.device) -> bool:
 
 @torch.library.custom_op("mxfp8_a2a::padded_token_scales", mutates_args=())
 def padded_token_scales(
-    x: torch.Tensor, offs: torch.Tensor
+    x: torch.Tensor, offs: torch.Tensor, inverse: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K] (any strides), groups of rows (tokens) ending at offs int32 [G] -> data
     e4m3 [K, cap] row-major, x.t() scaled per (group, row of x.t()), each group's tokens
     from a multiple of 16 on, at least 16 wide, zeros between; scales fp32 [G, K] (as
     per_group_rowwise_scales(x.t(), offs)); the padded end offsets int32 [G] (the last one
-    cap). cap = padded_length(M, G). The grad_w operands of a 2-D x 2-D FP8 grouped GEMM."""
+    cap). cap = padded_length(M, G). The grad_w operands of a 2-D x 2-D FP8 grouped GEMM.
+    ``inverse``: the scales come out as their reciprocals (the GEMM's multipliers)."""
     if not _kernels_run_on(x.device):
-        return padded_token_reference(x, offs)
+        data, scales, pad = padded_token_reference(x, offs)
+        return data, scales.reciprocal() if inverse else scales, pad
     m, k = x.shape
     cap = padded_length(m, offs.numel())
     data = torch.empty((k, cap), dtype=torch.uint8, device=x.device)
     pad = torch.empty(offs.numel(), dtype=torch.int32, device=x.device)
-    scales = _colwise(x.unsqueeze(0), offs.contiguous(), False, data.t().unsqueeze(0), pad)
+    scales = _colwise(
+        x.unsqueeze(0), offs.contiguous(), False, data.t().unsqueeze(0), pad, inverse=inverse
+    )
     return data.view(torch.float8_e4m3fn), scales[0], pad
 
 
 @padded_token_scales.register_fake
-def _(x, offs):
+def _(x, offs, inverse=False):
     cap = padded_length(x.shape[0], offs.shape[0])
     data = x.new_empty((x.shape[1], cap), dtype=torch.float8_e4m3fn)
     scales = x.new_empty((offs.shape[0], x.shape[1]), dtype=torch.float32)
@@ -199,22 +205,25 @@ def _(x, offs):
 
 
 @torch.library.custom_op("mxfp8_a2a::expert_column_scales", mutates_args=())
-def expert_column_scales(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def expert_column_scales(
+    w: torch.Tensor, inverse: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """w [E, K, N] (any strides) -> data e4m3 [E, K, N], each expert column-major (strides
     (N*K, 1, K)), scaled per (expert, column); scales fp32 [E, N] (as
     per_group_colwise_scales(w.reshape(E*K, N), offsets of K each)). The forward's weights
-    of an FP8 grouped GEMM."""
+    of an FP8 grouped GEMM. ``inverse``: the scales come out as their reciprocals."""
     if not _kernels_run_on(w.device):
-        return expert_column_reference(w)
+        data, scales = expert_column_reference(w)
+        return data, scales.reciprocal() if inverse else scales
     e, k, n = w.shape
     data = torch.empty((e, n, k), dtype=torch.uint8, device=w.device).transpose(1, 2)
     offs = torch.full((1,), k, dtype=torch.int32, device=w.device)
-    scales = _colwise(w, offs, False, data, None)
+    scales = _colwise(w, offs, False, data, None, inverse=inverse)
     return data.view(torch.float8_e4m3fn), scales.view(e, n)
 
 
 @expert_column_scales.register_fake
-def _(w):
+def _(w, inverse=False):
     e, k, n = w.shape
     data = w.new_empty((e, n, k), dtype=torch.float8_e4m3fn).transpose(1, 2)
     return data, w.new_empty((e, n), dtype=torch.float32)

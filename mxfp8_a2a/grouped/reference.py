@@ -30,6 +30,12 @@ def scales_from_amax(amax: torch.Tensor, round_scales_to_power_of_2: bool) -> to
     return s
 
 
+def empty_group_scale(round_scales_to_power_of_2: bool, inverse: bool) -> float:
+    """The scale of a group without elements (amax 0), or with ``inverse`` its reciprocal."""
+    s = scales_from_amax(torch.zeros(()), round_scales_to_power_of_2)
+    return (s.reciprocal() if inverse else s).item()
+
+
 def _to_e4m3(y: torch.Tensor) -> torch.Tensor:
     y = torch.where(y.isnan(), float("nan"), y.clamp(-448.0, 448.0))  # canonical NaN
     return y.to(torch.float8_e4m3fn)

@@ -26,7 +26,7 @@ import triton.language as tl
 from .. import _config
 from .._common import cdiv, next_pow2
 from ..formats.bits import to_fp32
-from .kernels import _amax_bits, _e4m3_bits, _scales
+from .kernels import _amax_bits, _e4m3_bits, _scales, _stored_scale
 from .per_group_scales import INT64_FROM, _colwise, _kernels_run_on, expert_column_scales
 from .row_scales import row_scales
 
@@ -35,13 +35,14 @@ from .row_scales import row_scales
 def _weight_rows_kernel(
     w_ptr, data_ptr, scale_ptr, ws_ptr, k, n, rows,
     SOFT: tl.constexpr, INT64: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-    STAGES: tl.constexpr,
+    STAGES: tl.constexpr, INVERSE: tl.constexpr,
 ):  # fmt: skip
     """w [E, K, N] contiguous; data uint8 e4m3 bits [E * K, N] row-major, one scale per row
-    (scale fp32 [E * K]); ws int32 [E, N], zeroed: max of the column amax bits of every
-    program. Grid (cdiv(K, rows), E): program (t, e) takes rows [t * rows, (t + 1) * rows) of
-    expert e (rows: a multiple of BLOCK_R; BLOCK_C >= N), BLOCK_R whole rows at a time,
-    STAGES loads in flight (software pipelining; None: one at a time)."""
+    (scale fp32 [E * K]; INVERSE: their reciprocals); ws int32 [E, N], zeroed: max of the
+    column amax bits of every program. Grid (cdiv(K, rows), E): program (t, e) takes rows
+    [t * rows, (t + 1) * rows) of expert e (rows: a multiple of BLOCK_R; BLOCK_C >= N),
+    BLOCK_R whole rows at a time, STAGES loads in flight (software pipelining; None: one at
+    a time)."""
     t = tl.program_id(0)
     e = tl.program_id(1)
     c = tl.arange(0, BLOCK_C)
@@ -59,7 +60,7 @@ def _weight_rows_kernel(
         x = to_fp32(tl.load(w_ptr + offsets, mask=mask, other=0.0), SOFT)
         scale = _scales(_amax_bits(x), False)
         tl.store(data_ptr + offsets, _e4m3_bits(x * scale[:, None], SOFT), mask=mask)
-        tl.store(scale_ptr + row, scale, mask=rmask)
+        tl.store(scale_ptr + row, _stored_scale(scale, INVERSE), mask=rmask)
         # masked lanes loaded 0.0: bits 0, below every amax
         col = tl.maximum(col, x.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
     ws = ws_ptr + (e.to(tl.int64) * n if INT64 else e * n)
@@ -77,7 +78,7 @@ def _rows_per_program(k: int, e: int, block_r: int) -> int:
 
 @torch.library.custom_op("mxfp8_a2a::weight_scales", mutates_args=())
 def _weight_scales_op(
-    w: torch.Tensor,
+    w: torch.Tensor, inverse: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     e, k, n = w.shape
     by_column = torch.empty((e, n, k), dtype=torch.uint8, device=w.device).transpose(1, 2)
@@ -91,17 +92,17 @@ def _weight_scales_op(
         w, by_row, row_s, ws, k, n, rows, SOFT=w.device.type == "cpu",
         INT64=max(w.numel(), ws.numel()) + block_c >= INT64_FROM,
         BLOCK_R=block_r, BLOCK_C=block_c, STAGES=_config.WEIGHT_SCALES_STAGES or None,
-        num_warps=_config.WEIGHT_SCALES_NUM_WARPS,
+        INVERSE=inverse, num_warps=_config.WEIGHT_SCALES_NUM_WARPS,
     )  # fmt: skip
     offs = torch.full((1,), k, dtype=torch.int32, device=w.device)
-    col_s = _colwise(w, offs, False, by_column, None, amax=ws)
+    col_s = _colwise(w, offs, False, by_column, None, amax=ws, inverse=inverse)
     by_row = by_row.view(e, k, n).transpose(1, 2)
     f8 = torch.float8_e4m3fn
     return by_column.view(f8), col_s.view(e, n), by_row.view(f8), row_s.view(e, k)
 
 
 @_weight_scales_op.register_fake
-def _(w):
+def _(w, inverse=False):
     e, k, n = w.shape
     by_column = w.new_empty((e, n, k), dtype=torch.float8_e4m3fn).transpose(1, 2)
     by_row = w.new_empty((e, k, n), dtype=torch.float8_e4m3fn).transpose(1, 2)
@@ -110,7 +111,7 @@ def _(w):
 
 
 def weight_scales(
-    w: torch.Tensor,
+    w: torch.Tensor, *, inverse: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """w [E, K, N] bf16/fp32 contiguous -> (by_column, column_scales, by_row, row_scales):
 
@@ -120,8 +121,9 @@ def weight_scales(
       row-major storage), one scale per (expert, row of K): row_scales fp32 [E, K]
       (= row_scales(w.reshape(E * K, N)) reshaped).
 
-    Scales as the per-group kernels define them (448 / max(amax, 1e-12)). Memory: 2 bytes
-    per element of w in all, plus the scales. No host synchronization on CUDA."""
+    Scales as the per-group kernels define them (448 / max(amax, 1e-12)); ``inverse``: their
+    reciprocals (torch.reciprocal's values, the FP8 GEMM's multipliers). Memory: 2 bytes per
+    element of w in all, plus the scales. No host synchronization on CUDA."""
     if w.dim() != 3 or w.dtype not in (torch.bfloat16, torch.float32) or not w.is_contiguous():
         raise ValueError(
             f"weight_scales: w must be a contiguous 3-D bf16 or fp32 tensor, got {w.dtype} "
@@ -130,7 +132,7 @@ def weight_scales(
     e, k, n = w.shape
     fits = n <= _config.ROW_SCALES_MAX_WIDTH and w.numel() > 0
     if fits and _kernels_run_on(w.device):
-        return _weight_scales_op(w)
-    by_column, col_s = expert_column_scales(w)
-    data, row_s = row_scales(w.reshape(e * k, n))
+        return _weight_scales_op(w, inverse)
+    by_column, col_s = expert_column_scales(w, inverse)
+    data, row_s = row_scales(w.reshape(e * k, n), inverse=inverse)
     return by_column, col_s, data.view(e, k, n).transpose(1, 2), row_s.view(e, k)
