@@ -191,27 +191,6 @@ def test_fp8_weights_made_once_give_the_same_bits(emulated, monkeypatch):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-@needs_interpreter
-@pytest.mark.parametrize("precision", ["fp8_rowwise", "fp8_rowwise_gw_hp"])
-def test_weights_cast_in_one_pass_in_the_forward(emulated, monkeypatch, precision):
-    """grouped_mm's CUDA FP8 path (GEMM emulated) with w above the size from which the
-    forward makes both copies of w at once and keeps grad_x's: the same bits as casting per
-    use; the backward then casts no weight."""
-    from mxfp8_a2a import _config
-
-    monkeypatch.setattr(gm, "gemm_path", lambda x, precision: "scaled")
-    args = _inputs(61, 32, 48, 4, "with_empty", torch.bfloat16, "cpu", fresh_generator())
-    fn = lambda x, w, o: mx.grouped_mm(x, w, o, precision=precision)  # noqa: E731
-    per_use = _fwd_bwd(fn, *args)
-    monkeypatch.setattr(_config, "WEIGHT_SCALES_IN_FORWARD_FROM", 0)
-    per_row, both = [], fr.weight_scales
-    monkeypatch.setattr(fr, "_weights_per_row", lambda w: per_row.append(w) or None)
-    monkeypatch.setattr(fr, "weight_scales", lambda w, **k: per_row.append("both") or both(w, **k))
-    for a, b in zip(_fwd_bwd(fn, *args), per_use, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-    assert per_row == ["both"]
-
-
 def test_bad_fp8_weights_raise_clear_errors():
     x, w = torch.randn(8, 32), torch.randn(3, 32, 16)
     offs = torch.tensor([2, 5, 8], dtype=torch.int32)

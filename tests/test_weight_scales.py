@@ -2,16 +2,19 @@
 their definitions: the forward's copy per (expert, column) as expert_column_reference, grad_x's
 per (expert, row) as the per-group reference with one group spanning each row; bit for bit on
 data of many magnitudes with NaN, inf, zeros, tiny and huge values in several experts, several
-programs per expert, rows wider than the kernel's limit, and bad input."""
+programs per expert, rows wider than the kernel's limit, bad input, the scales returned as
+reciprocals, and grouped_mm's forward making both copies of a large weight."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from emulated_gemm import _emulated_op
+from grouped_mm_data import _fwd_bwd, _inputs, fr, gm, needs_interpreter
 from helpers import KERNEL_DEVICES, bits, fresh_generator
 from per_group_data import make_input
 
-from mxfp8_a2a import _config
+from mxfp8_a2a import _config, grouped_mm
 from mxfp8_a2a.grouped import weight_scales as ws
 from mxfp8_a2a.grouped.reference import expert_column_reference, per_group_rowwise_reference
 
@@ -105,3 +108,23 @@ def test_weight_scales_bad_input():
 def test_weight_scales_op_passes_opcheck(device):
     w = _weights(2, 40, 32, torch.bfloat16, device, fresh_generator())
     torch.library.opcheck(ws._weight_scales_op, (w,), test_utils=("test_schema", "test_faketensor"))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("precision", ["fp8_rowwise", "fp8_rowwise_gw_hp"])
+def test_grouped_mm_casts_large_weights_in_one_pass(monkeypatch, precision):
+    """grouped_mm's CUDA FP8 path (GEMM emulated) with w above the size from which the
+    forward makes both copies of w at once and keeps grad_x's: the same bits as casting per
+    use; the backward then casts no weight."""
+    monkeypatch.setattr(fr, "_scaled_gmm", _emulated_op)
+    monkeypatch.setattr(gm, "gemm_path", lambda x, precision: "scaled")
+    args = _inputs(61, 32, 48, 4, "with_empty", torch.bfloat16, "cpu", fresh_generator())
+    fn = lambda x, w, o: grouped_mm(x, w, o, precision=precision)  # noqa: E731
+    per_use = _fwd_bwd(fn, *args)
+    monkeypatch.setattr(_config, "WEIGHT_SCALES_IN_FORWARD_FROM", 0)
+    per_row, both = [], fr.weight_scales
+    monkeypatch.setattr(fr, "_weights_per_row", lambda w: per_row.append(w) or None)
+    monkeypatch.setattr(fr, "weight_scales", lambda w, **k: per_row.append("both") or both(w, **k))
+    for a, b in zip(_fwd_bwd(fn, *args), per_use, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert per_row == ["both"]
