@@ -21,22 +21,13 @@ import argparse
 import sys
 
 import torch
-from common import do_bench_ms, kernels_ms, report, warm_gpu
+from common import do_bench_ms, kernel_us, report, warm_gpu
 
 from mxfp8_a2a import _config
-from mxfp8_a2a.grouped.per_group_scales import expert_column_scales
-from mxfp8_a2a.grouped.row_scales import row_scales
-from mxfp8_a2a.grouped.weight_scales import weight_scales
+from mxfp8_a2a.grouped.weight_scales import weight_scales, weight_scales_apart
 
 # w1 [E, hidden, ffn] and w2 [E, ffn, hidden] of bench_moe_layer.py's two shapes
 DEFAULT_SHAPES = ["32x7168x2048", "32x2048x7168", "16x2048x768", "16x768x2048"]
-
-
-def _apart(w):
-    e, k, n = w.shape
-    by_column, col_s = expert_column_scales(w)
-    data, row_s = row_scales(w.reshape(e * k, n))
-    return by_column, col_s, data.view(e, k, n).transpose(1, 2), row_s.view(e, k)
 
 
 def _same(got, want) -> bool:
@@ -72,12 +63,12 @@ def bench_shape(text: str, settings: list[dict[str, int]], rounds: int) -> list[
     shipped = {name: getattr(_config, name) for s in settings for name in s}
     ops = [
         ("device copy (bf16)", {}, lambda: dst.copy_(w)),
-        ("two casts apart", {}, lambda: _apart(w)),
+        ("two casts apart", {}, lambda: weight_scales_apart(w)),
     ]
     for setting in settings or [{}]:
         label = ",".join(f"{k[14:].lower()}={v}" for k, v in setting.items()) or "shipped"
         ops.append((f"one pass, {label}", setting, lambda: weight_scales(w)))
-    want = _apart(w)
+    want = weight_scales_apart(w)
     kernel: dict[str, list[dict[str, float]]] = {name: [] for name, *_ in ops}
     bench: dict[str, list[float]] = {name: [] for name, *_ in ops}
     checks = {}
@@ -87,7 +78,7 @@ def bench_shape(text: str, settings: list[dict[str, int]], rounds: int) -> list[
                 setattr(_config, key, value)
             if name.startswith("one pass") and name not in checks:
                 checks[name] = _same(fn(), want)
-            kernel[name].append(kernels_ms(fn))
+            kernel[name].append({k: t / 1e3 for k, (t, _) in kernel_us(fn).items()})
             bench[name].append(do_bench_ms(fn))
     for key, value in shipped.items():
         setattr(_config, key, value)

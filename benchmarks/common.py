@@ -43,9 +43,10 @@ def do_bench_ms(fn: Callable[[], object], warmup_ms: int = 50, rep_ms: int = 300
     return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
 
 
-def kernels_ms(fn: Callable[[], object], calls: int = 20) -> dict[str, float]:
+def kernel_us(fn: Callable[[], object], calls: int = 20) -> dict[str, tuple[float, int]]:
     """The GPU's own time per call of ``fn``, kernel by kernel (torch.profiler over ``calls``
-    calls): kernel name -> ms per call; no host time in it."""
+    calls): kernel name -> (us per call, launches per call); no host time in it. Keyed by the
+    whole name: torch's elementwise kernels share long prefixes."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -56,7 +57,7 @@ def kernels_ms(fn: Callable[[], object], calls: int = 20) -> dict[str, float]:
         torch.cuda.synchronize()
     cuda = torch.autograd.DeviceType.CUDA
     return {
-        e.key: e.device_time_total / calls / 1e3
+        e.key: (e.device_time_total / calls, e.count // calls)
         for e in prof.key_averages()
         if e.device_type == cuda and e.count
     }

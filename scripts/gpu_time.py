@@ -24,32 +24,16 @@ from pathlib import Path
 
 import torch
 import triton
-from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from bench_per_group_scales import K, M, jagged_offsets  # noqa: E402
-from common import versions, warm_gpu, write_json  # noqa: E402
+from common import kernel_us, versions, warm_gpu, write_json  # noqa: E402
 from profile_grouped_mm import SHAPES, expert_inputs, experts_step, uneven_offsets  # noqa: E402
 
 from mxfp8_a2a import per_group_colwise_scales  # noqa: E402
 
 fr = importlib.import_module("mxfp8_a2a.grouped.fp8_rowwise")
-
-
-def kernel_us(fn, calls: int) -> dict[str, tuple[float, int]]:
-    """Kernel name -> (us per call, launches per call) over ``calls`` calls."""
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    return {  # (by the whole name: torch's elementwise kernels share long prefixes)
-        e.key: (e.device_time_total / calls, e.count // calls)
-        for e in prof.key_averages()
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.count
-    }
 
 
 def wall_us(fn, n: int) -> float:

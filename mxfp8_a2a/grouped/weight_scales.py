@@ -129,10 +129,18 @@ def weight_scales(
             f"weight_scales: w must be a contiguous 3-D bf16 or fp32 tensor, got {w.dtype} "
             f"{tuple(w.shape)} with strides {w.stride()}"
         )
-    e, k, n = w.shape
-    fits = n <= _config.ROW_SCALES_MAX_WIDTH and w.numel() > 0
+    fits = w.shape[2] <= _config.ROW_SCALES_MAX_WIDTH and w.numel() > 0
     if fits and _kernels_run_on(w.device):
         return _weight_scales_op(w, inverse)
+    return weight_scales_apart(w, inverse=inverse)
+
+
+def weight_scales_apart(
+    w: torch.Tensor, *, inverse: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """weight_scales' results from the two casts apart (expert_column_scales, row_scales):
+    three reads of w; for weights the one-pass kernel does not take, and as its yardstick."""
+    e, k, n = w.shape
     by_column, col_s = expert_column_scales(w, inverse)
     data, row_s = row_scales(w.reshape(e * k, n), inverse=inverse)
     return by_column, col_s, data.view(e, k, n).transpose(1, 2), row_s.view(e, k)
