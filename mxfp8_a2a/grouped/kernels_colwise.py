@@ -178,9 +178,12 @@ def _cast_kernel(
     """data: uint8 e4m3 bits [batch, other, dest_extent] through strides (sdb, sdo, sdg), every
     index written; scale: fp32 [batch, n_groups, n_other] (INVERSE: their reciprocals); ws:
     the amax kernel's workspace; pad_ptr: int32 [n_groups] padded end offsets (PAD). Grid:
-    (n_chunks * n_strips, batch), n_chunks = cdiv(dest_extent, BL)."""
-    t = tl.program_id(0)
-    b = tl.program_id(1)
+    (n_chunks * n_strips, batch), n_chunks = cdiv(dest_extent, BL). Tiles run last first:
+    the rows the amax launch read last are the likeliest still in L2 (H200, kernel time with
+    L2 flushed before each call, 4 rounds: the weights [16, 2048, 768] per column 44.7 ->
+    42.1 us; (16640, 8192) at 1 / 16 / 64 groups and the large weights within 1%)."""
+    t = tl.num_programs(0) - 1 - tl.program_id(0)
+    b = tl.num_programs(1) - 1 - tl.program_id(1)
     x_ptr = _batch(x_ptr, b, sxb, INT64)
     data_ptr = _batch(data_ptr, b, sdb, INT64)
     ws_ptr = _batch_table(ws_ptr, b, n_groups, n_other, INT64)
