@@ -10,13 +10,18 @@ over ranks. bf16 is the library's differentiable exchange of unquantized rows
 no-grad forward, forward with grad, forward+backward. On one GPU the group has one rank
 (the exchange goes through the same kernels and collective calls, with no traffic): it
 measures host time, not speed. MXFP8_A2A_PUBLIC_LAUNCH=1 times the public
-Triton launch path (see mxfp8_a2a/formats/launch.py).
+Triton launch path (see mxfp8_a2a/formats/launch.py). ``--python-profile``: rank 0 also
+prints the Python functions that take the host's time in 50 MXFP8 forward+backward calls of
+the first shape (cProfile, by own time).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import os
+import pstats
 import statistics
 import time
 
@@ -89,12 +94,32 @@ def time_shape(text: str, world: int, rank: int, device, calls: int, repeats: in
     return out
 
 
+def python_profile(text: str, world: int, rank: int, device) -> str:
+    tokens, dim = parse_shape(text)
+    splits = [tokens // world] * world
+    splits[rank] += tokens - sum(splits)
+    out_splits = mx.compute_output_splits(splits)
+    x = torch.randn(tokens, dim, device=device, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(sum(out_splits), dim, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        mx.to_mxfp8_a2a_dequant(x, out_splits, splits).backward(grad)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(50):
+        mx.to_mxfp8_a2a_dequant(x, out_splits, splits).backward(grad)
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
+    return f"{text} MXFP8 fwd+bwd, Python profile of 50 calls:\n{out.getvalue()}"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--shape", action="append", help="TOKENSxDIM per rank (repeatable)")
     p.add_argument("--calls", type=int, default=50)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--json")
+    p.add_argument("--python-profile", action="store_true")
     args = p.parse_args()
     device = init_from_torchrun()
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -109,6 +134,10 @@ def main() -> None:
         headers = ["shape", "exchange", "fwd no-grad us", "fwd us", "fwd+bwd us"]
         print(tabulate(rows, headers=headers, floatfmt=".1f"))
         write_json(args.json, {"info": info, "results": results})
+    if args.python_profile:
+        report = python_profile((args.shape or ["256x5120"])[0], world, rank, device)
+        if rank == 0:
+            print(report)
     dist.destroy_process_group()
 
 

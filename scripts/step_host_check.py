@@ -1,8 +1,12 @@
 """Why an eager experts' step is slower than its kernels: host synchronizations in one step
 (torch.cuda.set_sync_debug_mode), host enqueue time against wall time of 10 back-to-back
 steps (3 repeats), and the CPU profile of 5 steps, per precision, at 8192x2048x8x16x768.
+``--python-profile``: also the Python functions that take the host's time in 10 steps
+(cProfile, by own time). ``--launch-ab``: enqueue and wall time of the FP8 steps with the
+public Triton launch and the cached one (formats/launch.py), alternating in one process.
 
     python scripts/step_host_check.py [--shape TOKENSxHIDDENxTOPKxEXPERTSxFFN]
+        [--python-profile] [--launch-ab]
 
 Run with another checkout first on PYTHONPATH to compare package versions. Needs CUDA.
 """
@@ -10,7 +14,11 @@ Run with another checkout first on PYTHONPATH to compare package versions. Needs
 from __future__ import annotations
 
 import argparse
+import cProfile
 import functools
+import io
+import os
+import pstats
 import sys
 import time
 import warnings
@@ -52,16 +60,71 @@ def check(step, name: str) -> None:
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14))
 
 
+def python_profile(step, name: str) -> None:
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(10):
+        step()
+    torch.cuda.synchronize()
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
+    print(name, "Python profile of 10 steps (us are cProfile's, inflated by it):")
+    print(out.getvalue())
+
+
+def enqueue_wall_us(step, n: int = 10) -> tuple[float, float]:
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        step()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t) / n * 1e6, (time.perf_counter() - t) / n * 1e6
+
+
+def launch_ab(step, name: str, rounds: int = 6) -> None:
+    from mxfp8_a2a.formats import launch
+
+    results: dict[str, list[tuple[float, float]]] = {"public": [], "cached": []}
+    for path in ("public", "cached"):  # compile and fill both paths' caches first
+        os.environ[launch.PUBLIC_LAUNCH_ENV] = "1" if path == "public" else "0"
+        for _ in range(3):
+            step()
+    for _ in range(rounds):
+        for path in ("public", "cached"):
+            os.environ[launch.PUBLIC_LAUNCH_ENV] = "1" if path == "public" else "0"
+            results[path].append(enqueue_wall_us(step))
+    os.environ.pop(launch.PUBLIC_LAUNCH_ENV)
+    for path, rows in results.items():
+        enq = sorted(r[0] for r in rows)
+        wall = sorted(r[1] for r in rows)
+        print(
+            f"{name} {path} launch: enqueue median {enq[len(enq) // 2]:.0f} us/step "
+            f"(min {enq[0]:.0f}), wall median {wall[len(wall) // 2]:.0f} (min {wall[0]:.0f})"
+        )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--shape", default="8192x2048x8x16x768")
+    p.add_argument("--python-profile", action="store_true")
+    p.add_argument("--launch-ab", action="store_true")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("step_host_check.py needs a CUDA GPU")
     print(mxfp8_a2a.__file__)
     inputs = expert_inputs(args.shape)
     for precision in ("fp8_rowwise_gw_hp", "fp8_rowwise", "bf16"):
-        check(functools.partial(experts_step, *inputs, precision), precision)
+        step = functools.partial(experts_step, *inputs, precision)
+        check(step, precision)
+        if args.python_profile:
+            python_profile(step, precision)
+        if args.launch_ab and precision != "bf16":
+            launch_ab(step, precision)
 
 
 if __name__ == "__main__":

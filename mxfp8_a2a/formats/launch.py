@@ -58,39 +58,54 @@ def _arg_key(a: object) -> object:
     return a
 
 
-def launch(kernel, grid: int, args: tuple, consts: dict, num_warps: int) -> None:
-    """``kernel[(grid,)](*args, **consts, num_warps=num_warps)``, through the cache.
+def launch(
+    kernel, grid: int | tuple[int, ...], args: tuple, consts: dict, num_warps: int, **options
+) -> None:
+    """``kernel[grid](*args, **consts, num_warps=num_warps, **options)``, through the cache.
 
-    args: the runtime arguments in the kernel's order; consts: its constexpr parameters, in
-    the kernel's order after them.
+    grid: programs along x, or a tuple of up to three sizes; args: the runtime arguments in
+    the kernel's order; consts: its constexpr parameters, in the kernel's order after them;
+    options: further compile options (e.g. ``maxnreg``), part of the key.
     """
+    grid = (grid,) if isinstance(grid, int) else tuple(grid)
     device = args[0].device
     if device.type != "cuda" or interpreted(kernel) or not fast_launch_enabled():
-        kernel[(grid,)](*args, **consts, num_warps=num_warps)
+        _check_order(kernel, args, consts)  # (the cached path relies on it: tested everywhere)
+        kernel[grid](*args, **consts, num_warps=num_warps, **options)
         return
     # the kernel object itself in the key: alive as long as its entry
-    key = (kernel, device.index, num_warps, *consts.values(), *map(_arg_key, args))
+    key = (kernel, device.index, num_warps, *options.items(), *consts.values(),
+           *map(_arg_key, args))  # fmt: skip
     compiled = _COMPILED.get(key)
     if compiled is None:
-        if list(kernel.arg_names)[len(args) :] != list(consts):
-            raise AssertionError(f"constexprs {list(consts)} are not the tail of the arguments")
+        _check_order(kernel, args, consts)
         if len(_COMPILED) >= CACHE_SIZE:
             _COMPILED.clear()
-        _COMPILED[key] = kernel[(grid,)](*args, **consts, num_warps=num_warps)
+        _COMPILED[key] = kernel[grid](*args, **consts, num_warps=num_warps, **options)
         return
+    gx, gy, gz = (*grid, 1, 1)[:3]
     if _raw_stream is not None:
         stream = _raw_stream(device.index)
     else:
         stream = torch.cuda.current_stream(device).cuda_stream
     enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
     if _hook_set(enter) or _hook_set(leave):
-        compiled[(grid, 1, 1)](*args, *consts.values(), stream=stream)
+        compiled[(gx, gy, gz)](*args, *consts.values(), stream=stream)
         return
     values = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
     compiled.run(
-        grid, 1, 1, stream, compiled.function, compiled.packed_metadata, None, enter, leave,
+        gx, gy, gz, stream, compiled.function, compiled.packed_metadata, None, enter, leave,
         *values, *consts.values(),
     )  # fmt: skip
+
+
+def _check_order(kernel, args: tuple, consts: dict) -> None:
+    names = list(kernel.arg_names)
+    if len(args) + len(consts) != len(names) or names[len(args) :] != list(consts):
+        raise AssertionError(
+            f"{kernel.__name__}: {len(args)} arguments and constexprs {list(consts)} are not "
+            f"the kernel's parameters {names}"
+        )
 
 
 def _hook_set(hook: object) -> bool:

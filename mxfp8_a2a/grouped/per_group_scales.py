@@ -17,6 +17,7 @@ import torch
 
 from .. import _config
 from .._common import cdiv, kernels_run_on, next_pow2, resolve_backend
+from ..formats.launch import launch
 from .kernels import _row_block_kernel
 from .kernels_colwise import _amax_kernel, _cast_kernel
 from .reference import (
@@ -79,11 +80,12 @@ def _per_group_triton(
     int64 = max(_extent(x), data.numel(), scales.numel()) >= INT64_FROM
     t = _config.per_group_tiling(1, interpreted=soft)
     block = _row_block(t, n_other, extent, g)
-    _row_block_kernel[(cdiv(n_other, block) * g,)](
-        x, offs, scales, data, n_other, extent, g, *strides,
-        ROUND_POW2=pow2, SOFT=soft, INT64=int64, ALIGN=16 if x.stride(1) == 1 else 1,
-        BLOCK=block, TILE=t.tile, MIN_GROUP=t.min_group, N_CLASSES=t.n_classes,
-        num_warps=t.num_warps, **({"maxnreg": t.maxnreg} if t.maxnreg and not soft else {}),
+    launch(
+        _row_block_kernel, cdiv(n_other, block) * g,
+        (x, offs, scales, data, n_other, extent, g, *strides),
+        dict(ROUND_POW2=pow2, SOFT=soft, INT64=int64, ALIGN=16 if x.stride(1) == 1 else 1,
+             BLOCK=block, TILE=t.tile, MIN_GROUP=t.min_group, N_CLASSES=t.n_classes),
+        t.num_warps, **({"maxnreg": t.maxnreg} if t.maxnreg and not soft else {}),
     )  # fmt: skip
     return data.view(torch.float8_e4m3fn), scales
 
@@ -129,21 +131,27 @@ def _colwise(
     )
     int64 = max(_extent(x), _extent(data), ws.numel()) >= INT64_FROM
     n_strips = max(1, cdiv(n_other, c.block_other))
-    common = dict(SOFT=soft, INT64=int64, BO=c.block_other, SUB=c.sub,
-                  BG=max(2, next_pow2(g)), num_warps=c.num_warps)  # fmt: skip
+    bg = max(2, next_pow2(g))
     if extent and n_other and amax is None:
         rows = _colwise_rows(c, c.amax_rows, extent, n_strips * batch)
-        _amax_kernel[(cdiv(extent, rows) * n_strips, batch)](
-            x, offs, ws, n_other, extent, g, x.stride(0), x.stride(2), x.stride(1), n_strips,
-            BL=rows, ALIGN=16 if x.stride(1) == 1 else 1, STAGES=c.amax_stages or None, **common,
+        launch(
+            _amax_kernel, (cdiv(extent, rows) * n_strips, batch),
+            (x, offs, ws, n_other, extent, g, x.stride(0), x.stride(2), x.stride(1), n_strips),
+            dict(SOFT=soft, INT64=int64, BO=c.block_other, BL=rows, SUB=c.sub, BG=bg,
+                 ALIGN=16 if x.stride(1) == 1 else 1, STAGES=c.amax_stages or None),
+            c.num_warps,
         )  # fmt: skip
     rows = _colwise_rows(c, c.cast_rows, dest_extent, n_strips * batch)
     n_chunks = cdiv(dest_extent, rows)
-    _cast_kernel[(n_chunks * n_strips, batch)](
-        x, offs, ws, scales, data, ws if pad is None else pad, n_other, extent, g, dest_extent,
-        x.stride(0), x.stride(2), x.stride(1), data.stride(0), data.stride(2), data.stride(1),
-        n_strips, n_chunks, ROUND_POW2=pow2, PAD=pad is not None, BL=rows, INVERSE=inverse,
-        ALIGN=16 if data.stride(1) == 1 else 1, STAGES=c.cast_stages or None, **common,
+    launch(
+        _cast_kernel, (n_chunks * n_strips, batch),
+        (x, offs, ws, scales, data, ws if pad is None else pad, n_other, extent, g, dest_extent,
+         x.stride(0), x.stride(2), x.stride(1), data.stride(0), data.stride(2), data.stride(1),
+         n_strips, n_chunks),
+        dict(ROUND_POW2=pow2, SOFT=soft, INT64=int64, PAD=pad is not None, BO=c.block_other,
+             BL=rows, SUB=c.sub, BG=bg, ALIGN=16 if data.stride(1) == 1 else 1,
+             STAGES=c.cast_stages or None, INVERSE=inverse),
+        c.num_warps,
     )  # fmt: skip
     return scales
 

@@ -20,6 +20,7 @@ import triton.language as tl
 from .. import _config
 from .._common import cdiv, next_pow2
 from ..formats.bits import to_fp32
+from ..formats.launch import launch
 from .kernels import _amax_bits, _e4m3_bits, _offsets, _scales, _stored_scale
 from .per_group_scales import INT64_FROM, _extent, _kernels_run_on, per_group_rowwise_scales
 from .reference import empty_group_scale, per_group_rowwise_reference
@@ -57,12 +58,13 @@ def _row_scales_op(
     if n_rows and n_cols:
         block_c = next_pow2(n_cols)
         block_r = max(1, _config.ROW_SCALES_TILE // block_c)
-        _row_scales_kernel[(cdiv(n_rows, block_r),)](
-            x, data, scales, n_rows, n_cols, x.stride(0), x.stride(1), ROUND_POW2=pow2,
-            SOFT=x.device.type == "cpu",
-            INT64=max(_extent(x), data.numel(), n_rows + block_r) >= INT64_FROM,
-            BLOCK_R=block_r, BLOCK_C=block_c, INVERSE=inverse,
-            num_warps=_config.ROW_SCALES_NUM_WARPS,
+        launch(
+            _row_scales_kernel, cdiv(n_rows, block_r),
+            (x, data, scales, n_rows, n_cols, x.stride(0), x.stride(1)),
+            dict(ROUND_POW2=pow2, SOFT=x.device.type == "cpu",
+                 INT64=max(_extent(x), data.numel(), n_rows + block_r) >= INT64_FROM,
+                 BLOCK_R=block_r, BLOCK_C=block_c, INVERSE=inverse),
+            _config.ROW_SCALES_NUM_WARPS,
         )  # fmt: skip
     else:  # rows without columns: the scale of an empty group
         scales.fill_(empty_group_scale(pow2, inverse))

@@ -26,6 +26,7 @@ import triton.language as tl
 from .. import _config
 from .._common import cdiv, next_pow2
 from ..formats.bits import to_fp32
+from ..formats.launch import launch
 from .kernels import _amax_bits, _e4m3_bits, _scales, _stored_scale
 from .per_group_scales import INT64_FROM, _colwise, _kernels_run_on, expert_column_scales
 from .row_scales import row_scales
@@ -88,11 +89,13 @@ def _weight_scales_op(
     block_c = next_pow2(n)
     block_r = max(1, _config.ROW_SCALES_TILE // block_c)
     rows = _rows_per_program(k, e, block_r)
-    _weight_rows_kernel[(cdiv(k, rows), e)](
-        w, by_row, row_s, ws, k, n, rows, SOFT=w.device.type == "cpu",
-        INT64=max(w.numel(), ws.numel()) + block_c >= INT64_FROM,
-        BLOCK_R=block_r, BLOCK_C=block_c, STAGES=_config.WEIGHT_SCALES_STAGES or None,
-        INVERSE=inverse, num_warps=_config.WEIGHT_SCALES_NUM_WARPS,
+    launch(
+        _weight_rows_kernel, (cdiv(k, rows), e), (w, by_row, row_s, ws, k, n, rows),
+        dict(SOFT=w.device.type == "cpu",
+             INT64=max(w.numel(), ws.numel()) + block_c >= INT64_FROM,
+             BLOCK_R=block_r, BLOCK_C=block_c, STAGES=_config.WEIGHT_SCALES_STAGES or None,
+             INVERSE=inverse),
+        _config.WEIGHT_SCALES_NUM_WARPS,
     )  # fmt: skip
     offs = torch.full((1,), k, dtype=torch.int32, device=w.device)
     col_s = _colwise(w, offs, False, by_column, None, amax=ws, inverse=inverse)

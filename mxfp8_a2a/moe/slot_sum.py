@@ -30,6 +30,7 @@ import triton.language as tl
 from .. import _config
 from .._common import cdiv, kernels_run_on, next_pow2
 from ..formats.bits import fp32_to_bf16, to_fp32
+from ..formats.launch import launch
 
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # exact in fp32
 
@@ -122,10 +123,11 @@ def _forward(rows: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor | None
         return out.zero_()
     soft = rows.device.type == "cpu"
     bt, bh = _grid_sizes(rows.shape[1], soft)
-    _slot_sum_kernel[(cdiv(n_tokens, bt), cdiv(rows.shape[1], bh))](
-        rows, pos, rows if weights is None else weights, out, n_tokens, rows.shape[1],
-        K=k, UNIT=weights is None, SOFT=soft, BLOCK_T=bt, BLOCK_H=bh,
-        num_warps=_config.SLOT_SUM_NUM_WARPS,
+    launch(
+        _slot_sum_kernel, (cdiv(n_tokens, bt), cdiv(rows.shape[1], bh)),
+        (rows, pos, rows if weights is None else weights, out, n_tokens, rows.shape[1]),
+        dict(K=k, UNIT=weights is None, SOFT=soft, BLOCK_T=bt, BLOCK_H=bh),
+        _config.SLOT_SUM_NUM_WARPS,
     )  # fmt: skip
     return out
 
@@ -151,10 +153,11 @@ def _slot_sum_backward_op(
     grad_w = torch.empty((n_tokens, k), dtype=torch.float32, device=rows.device)
     soft = rows.device.type == "cpu"
     bt, bh = _grid_sizes(rows.shape[1], soft)
-    _slot_sum_backward_kernel[(cdiv(n_tokens, bt),)](
-        grad.contiguous(), rows, pos, weights, grad_rows, grad_w, n_tokens, rows.shape[1],
-        K=k, KP=max(2, next_pow2(k)), SOFT=soft, BLOCK_T=bt, BLOCK_H=bh,
-        num_warps=_config.SLOT_SUM_NUM_WARPS,
+    launch(
+        _slot_sum_backward_kernel, cdiv(n_tokens, bt),
+        (grad.contiguous(), rows, pos, weights, grad_rows, grad_w, n_tokens, rows.shape[1]),
+        dict(K=k, KP=max(2, next_pow2(k)), SOFT=soft, BLOCK_T=bt, BLOCK_H=bh),
+        _config.SLOT_SUM_NUM_WARPS,
     )  # fmt: skip
     return grad_rows, grad_w
 
