@@ -29,6 +29,25 @@ def next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def eager_or_op(op, impl, x: torch.Tensor):
+    """``impl``, a custom op's own Python implementation, called directly for a plain tensor
+    ``x`` outside torch.compile / torch.export; else the custom op ``op`` (the compiler's
+    opaque node, and what fake and functional tensors of any tracing, or other tensor
+    subclasses, dispatch through). Eager callers need nothing the dispatcher adds, and its
+    round trip into a Python custom op costs host time on every call: on one H200 machine
+    (torch 2.11) the eager FP8 experts' step spent most of its host time there
+    (benchmarks/results/2026-12-03/step_host_launch_ab.txt)."""
+    return impl if runs_eagerly(x) else op
+
+
+def runs_eagerly(x: torch.Tensor) -> bool:
+    """A plain tensor (or Parameter) outside torch.compile / torch.export (eager_or_op)."""
+    return type(x) in _PLAIN_TENSORS and not torch.compiler.is_compiling()
+
+
 def interpreted(kernel) -> bool:
     """True when ``kernel`` was decorated while TRITON_INTERPRET=1 (runs on CPU tensors)."""
     return type(kernel).__name__ == "InterpretedFunction"

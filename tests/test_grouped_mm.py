@@ -1,6 +1,6 @@
 """grouped_mm on CPU: the plain-torch reference, the CPU loop, the CUDA paths (traced with fake
-CUDA tensors and run with torch._scaled_grouped_mm emulated), the MoE layer on top, and the
-argument checks. The GPU tests are in test_grouped_mm_gpu.py.
+CUDA tensors and run with torch._scaled_grouped_mm emulated) and the argument checks. The MoE
+layer's experts on top: test_moe_experts.py; the GPU tests: test_grouped_mm_gpu.py.
 
     python -m pytest -q tests/test_grouped_mm.py
 """
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_utils import run_distributed
 from emulated_gemm import _emulated_op
 from grouped_mm_data import (
     KINDS,
@@ -27,20 +26,30 @@ from grouped_mm_data import (
     needs_interpreter,
 )
 from helpers import fresh_generator, sqnr_db
-from moe_reference import moe_reference
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import mxfp8_a2a as mx
-from mxfp8_a2a.moe.layer import ExpertParallelMoE, init_moe_weights
 
 # ---------------------------------------------------------------------------- emulation
 
 
 @pytest.fixture
-def emulated(monkeypatch):
-    """The CUDA FP8 path, callable on CPU tensors: the op mxfp8_a2a::fp8_rowwise_grouped_mm."""
+def emulated_gemm(monkeypatch):
+    """The CUDA FP8 path callable on CPU tensors: torch._scaled_grouped_mm emulated."""
     monkeypatch.setattr(fr, "_scaled_gmm", _emulated_op)
-    return lambda x, w, offs: fr.fp8_rowwise_grouped_mm(x, w, offs, [], False)
+
+
+@pytest.fixture(params=["function", "op"])
+def fp8_call(request, emulated_gemm):
+    """The CUDA FP8 path, (x, w, offs, cached, hp_grad_w) -> out: eager calls' autograd
+    Function (fp8_grouped_mm) or the custom op mxfp8_a2a::fp8_rowwise_grouped_mm that
+    torch.compile traces."""
+    return fr.fp8_grouped_mm if request.param == "function" else fr.fp8_rowwise_grouped_mm
+
+
+@pytest.fixture
+def emulated(fp8_call):
+    return lambda x, w, offs: fp8_call(x, w, offs, [], False)
 
 
 class _Ctx:
@@ -109,9 +118,9 @@ def test_fp8_gw_hp_is_fp8_forward_and_grad_x_with_bf16_grad_w(kind):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def test_fp8_gw_hp_cuda_path_emulated_matches_reference(emulated):
+def test_fp8_gw_hp_cuda_path_emulated_matches_reference(fp8_call):
     args = _inputs(203, 64, 48, 6, "with_empty", torch.bfloat16, "cpu", fresh_generator())
-    got = _fwd_bwd(lambda x, w, o: fr.fp8_rowwise_grouped_mm(x, w, o, [], True), *args)
+    got = _fwd_bwd(lambda x, w, o: fp8_call(x, w, o, [], True), *args)
     want = _fwd_bwd(_reference("fp8_rowwise_gw_hp"), *args)
     _close(got, want, "fp8_rowwise_gw_hp")
     # grad_w through torch._grouped_mm (its CPU fallback: a bf16 GEMM of its own order)
@@ -155,19 +164,20 @@ def test_torch_compile_fullgraph_cpu():
 
 
 @needs_interpreter
-def test_torch_compile_fullgraph_fp8_cuda_path_emulated(emulated, monkeypatch):
+def test_torch_compile_fullgraph_fp8_cuda_path_emulated(emulated_gemm):
     """The CUDA FP8 path traces in one graph (per-group kernels through the interpreter,
     torch._scaled_grouped_mm emulated as a custom op with torch's meta as its fake)."""
     args = _inputs(40, 32, 16, 3, "with_empty", torch.bfloat16, "cpu", fresh_generator())
     torch._dynamo.reset()
     # dynamic=True: symbolic shapes and strides, as a recompile at new sizes gets them
-    compiled = torch.compile(emulated, fullgraph=True, backend="aot_eager", dynamic=True)
+    fn = lambda x, w, o: fr.fp8_grouped_mm(x, w, o, [], False)  # noqa: E731 (the op, traced)
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager", dynamic=True)
     _close(_fwd_bwd(compiled, *args), _fwd_bwd(_reference("fp8_rowwise"), *args), "fp8_rowwise")
 
 
 @needs_interpreter
 @pytest.mark.parametrize("m", [40, 0])
-def test_fp8_op_passes_opcheck(emulated, monkeypatch, m):
+def test_fp8_op_passes_opcheck(emulated_gemm, m):
     """mxfp8_a2a::fp8_rowwise_grouped_mm: schema, fake, registered autograd and AOT dispatch
     (torch.library.opcheck), with rows and without."""
     x, w, offs, _ = _inputs(m, 32, 16, 3, "with_empty", torch.bfloat16, "cpu", fresh_generator())
@@ -181,12 +191,27 @@ def test_fp8_op_passes_opcheck(emulated, monkeypatch, m):
 
 
 @needs_interpreter
-def test_fp8_weights_made_once_give_the_same_bits(emulated, monkeypatch):
+@pytest.mark.parametrize("hp", [False, True])
+def test_fp8_function_and_op_give_the_same_bits(emulated_gemm, hp):
+    """Eager calls' autograd Function and the custom op: the same forward and backward."""
+    args = _inputs(77, 32, 48, 5, "with_empty", torch.bfloat16, "cpu", fresh_generator())
+    fp8 = list(fr.fp8_rowwise_weights(args[1]))
+    for cached in ([], fp8):
+        a, b = (
+            _fwd_bwd(lambda x, w, o, f=f, c=cached: f(x, w, o, c, hp), *args)
+            for f in (fr.fp8_grouped_mm, fr.fp8_rowwise_grouped_mm)
+        )
+        for u, v in zip(a, b, strict=True):
+            torch.testing.assert_close(u, v, rtol=0, atol=0)
+
+
+@needs_interpreter
+def test_fp8_weights_made_once_give_the_same_bits(fp8_call, emulated):
     """The CUDA FP8 path with fp8_rowwise_weights(w) made beforehand: the same bits as the
     path that casts w itself, forward and both gradients."""
     args = _inputs(61, 32, 48, 4, "with_empty", torch.bfloat16, "cpu", fresh_generator())
     fp8 = list(fr.fp8_rowwise_weights(args[1]))
-    reused = _fwd_bwd(lambda x, w, o: fr.fp8_rowwise_grouped_mm(x, w, o, fp8, False), *args)
+    reused = _fwd_bwd(lambda x, w, o: fp8_call(x, w, o, fp8, False), *args)
     for a, b in zip(reused, _fwd_bwd(emulated, *args), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
@@ -274,104 +299,6 @@ def test_bad_arguments_raise_clear_errors(change, exc, match):
     args = _bad(**change)
     with pytest.raises(exc, match=match):
         mx.grouped_mm(args.pop("x"), args.pop("w"), args.pop("offs"), **args)
-
-
-# ---------------------------------------------------------------------------- MoE layer
-
-
-def _layer_vs_reference(rank, world, seed, precision):
-    """The expert-parallel layer (plain exchange) against the single-process MoE of the same
-    precision: the same rows in the same order per expert, so the same FP8 groups."""
-    torch.manual_seed(seed)
-    hidden, ffn, experts, tokens, top_k = 64, 32, 2 * world, 24, 2
-    layer = ExpertParallelMoE(
-        hidden, ffn, experts, top_k, exchange="bf16", precision=precision, seed=seed
-    )
-    gens = [torch.Generator().manual_seed(seed + r) for r in range(world)]
-    dtype = torch.bfloat16 if precision == "fp8_rowwise_gw_hp" else torch.float32  # (bf16 only)
-    xs = [torch.randn(tokens, hidden, generator=g).to(dtype) for g in gens]
-    x = xs[rank].clone().requires_grad_(True)
-    out = layer(x)
-    out.sum().backward()
-    full = init_moe_weights(hidden, ffn, experts, seed)
-    ref_w = {k: v.to(dtype).requires_grad_(True) for k, v in full.items()}
-    x_all = torch.cat(xs).requires_grad_(True)
-    ref = moe_reference(x_all, ref_w, top_k, precision=precision)
-    ref.sum().backward()
-    rows = slice(rank * tokens, (rank + 1) * tokens)
-    local = slice(rank * experts // world, (rank + 1) * experts // world)
-    pairs = [
-        (out, ref[rows]),
-        (x.grad, x_all.grad[rows]),
-        (layer.w1.grad, ref_w["w1"].grad[local]),
-        (layer.w2.grad, ref_w["w2"].grad[local]),
-    ]
-    for got, want in pairs:
-        if precision == "bf16":
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-        else:  # the same FP8 arithmetic; last-bit differences upstream may flip an e4m3 cast
-            assert sqnr_db(want, got) >= 40.0, sqnr_db(want, got)
-
-
-@pytest.mark.parametrize("precision", gm.PRECISIONS)
-def test_layer_matches_reference_of_its_precision(precision):
-    run_distributed(_layer_vs_reference, 2, fresh_generator().initial_seed() % 2**20, precision)
-
-
-def test_layer_rejects_bad_precision():
-    run_distributed(_bad_layer, 1)
-
-
-def test_layer_fp8_weight_reuse():
-    run_distributed(_layer_reuse, 1)
-
-
-def _layer_reuse(rank, world):
-    """Inside fp8_weight_reuse() the layer (its CUDA FP8 path, the GEMM emulated) casts each
-    weight once per activation dtype, gives the same bits as without the block, refuses a
-    weight changed inside it, makes nothing in inference mode, and frees the casts at its
-    end."""
-    fr._scaled_gmm = _emulated_op  # (this process only)
-    gm.gemm_path = lambda x, precision: "scaled" if precision == "fp8_rowwise" else "loop"
-    casts = []  # the forward's cast of w alone, or both of w's copies in one pass
-    per_column, both = fr._weights_per_column, fr.weight_scales
-    fr._weights_per_column = lambda w: casts.append(w.dtype) or per_column(w)
-    fr.weight_scales = lambda w, **k: casts.append(w.dtype) or both(w, **k)
-    layer = ExpertParallelMoE(64, 32, 4, 2, exchange="bf16", precision="fp8_rowwise")
-    x = torch.randn(24, 64)
-    offs = torch.tensor([5, 5, 17, 24], dtype=torch.int32)
-    want = layer.experts(x, offs)
-    assert len(casts) == 2
-    with layer.fp8_weight_reuse():
-        with torch.inference_mode():
-            layer.experts(x, offs)
-        assert layer._fp8_weights == {} and len(casts) == 4
-        for _ in range(2):
-            got = layer.experts(x, offs)
-            torch.testing.assert_close(got, want, rtol=0, atol=0)
-            got.sum().backward()
-        assert len(casts) == 6  # w1 and w2 once each for both micro-batches
-        layer.experts(x.bfloat16(), offs)  # another activation dtype: its own casts
-        assert casts[6:] == [torch.bfloat16] * 2 and len(layer._fp8_weights) == 4
-        with pytest.raises(RuntimeError, match="already active"):
-            with layer.fp8_weight_reuse():
-                pass
-        with torch.no_grad():
-            layer.w1.mul_(0.5)  # an optimizer step inside the block
-        with pytest.raises(ValueError, match="w1 changed"):
-            layer.experts(x, offs)
-    assert layer._fp8_weights is None
-    layer.precision = "bf16"
-    with layer.fp8_weight_reuse():
-        layer.experts(x, offs)
-        assert layer._fp8_weights == {}  # nothing cast for bf16
-
-
-def _bad_layer(rank, world):
-    with pytest.raises(ValueError, match="precision must be one of"):
-        ExpertParallelMoE(64, 32, 2, 1, precision="fp4")
-    with pytest.raises(ValueError, match="multiples of 16"):
-        ExpertParallelMoE(64, 40, 2, 1, precision="fp8_rowwise")
 
 
 @pytest.mark.parametrize("grouped, scaled", [(True, True), (False, False)])

@@ -66,7 +66,8 @@ def test_edge_shapes(device):
     """No tokens, k = 0 (zeros, and zero gradients), width 1."""
     g = fresh_generator()
     rows = torch.zeros(0, 64, dtype=torch.bfloat16, device=device, requires_grad=True)
-    out = ss.slot_sum(rows, torch.zeros(0, 2, dtype=torch.int64, device=device), torch.zeros(0, 2))
+    empty_pos = torch.zeros(0, 2, dtype=torch.int64, device=device)
+    out = ss.slot_sum(rows, empty_pos, torch.zeros(0, 2, device=device))
     assert out.shape == (0, 64)
     w = torch.rand(3, 0, device=device, requires_grad=True)
     out = ss.slot_sum(rows, torch.zeros(3, 0, dtype=torch.int64, device=device), w)
@@ -83,8 +84,8 @@ def test_edge_shapes(device):
 def test_which_path(device, monkeypatch):
     """bf16 rows with fp32 / bf16 / fp16 weights take the kernels, other dtypes the reference."""
     taken = []
-    op = ss._slot_sum_op
-    monkeypatch.setattr(ss, "_slot_sum_op", lambda *a: taken.append("kernel") or op(*a))
+    forward = ss._forward
+    monkeypatch.setattr(ss, "_forward", lambda *a: taken.append("kernel") or forward(*a))
     rows, pos, weights = _case(4, 2, 32, device, fresh_generator(), special=False)
     for r, w in ((rows, weights), (rows, weights.half()), (rows.float(), weights)):
         ss.slot_sum(r, pos, w)

@@ -12,7 +12,14 @@ import triton
 import triton.language as tl
 
 from .. import _config
-from .._common import BLOCK, as_rows, block_count, check_out_dtype, resolve_backend
+from .._common import (
+    BLOCK,
+    as_rows,
+    block_count,
+    check_out_dtype,
+    eager_or_op,
+    resolve_backend,
+)
 from .bits import block_tile, mx_dequantize_blocks, skip_gap, store_float
 from .launch import launch_tiles
 from .packing import k_from_packed_row_bytes, unpack
@@ -193,7 +200,7 @@ def dequantize(
     check_out_dtype(out_dtype)
     if resolve_backend(backend, data.device, _dequantize_kernel) == "torch":
         return dequantize_reference(data, scales, out_dtype)
-    op = _dequantize_op if torch.compiler.is_compiling() else _dequantize_impl  # skip dispatch
+    op = eager_or_op(_dequantize_op, _dequantize_impl, data)
     return op(data, scales.view(torch.float8_e8m0fnu), _DTYPE_NAMES[out_dtype])
 
 
@@ -213,7 +220,7 @@ def dequantize_packed(
     check_out_dtype(out_dtype)
     if resolve_backend(backend, packed.device, _dequantize_kernel) == "torch":
         return dequantize_reference(*unpack(packed), out_dtype)
-    op = _dequantize_packed_op if torch.compiler.is_compiling() else _dequantize_packed_impl
+    op = eager_or_op(_dequantize_packed_op, _dequantize_packed_impl, packed)
     return op(packed, _DTYPE_NAMES[out_dtype])
 
 

@@ -21,6 +21,7 @@ from .._common import (
     block_count,
     check_float_input,
     check_scaling_mode,
+    eager_or_op,
     resolve_backend,
 )
 from .bits import block_tile, mx_quantize_blocks, skip_gap, to_fp32
@@ -213,7 +214,7 @@ def quantize(
     check_scaling_mode(scaling_mode)
     if resolve_backend(backend, x.device, _quantize_kernel) == "torch":
         return quantize_reference(x, scaling_mode)
-    op = _quantize_op if torch.compiler.is_compiling() else _quantize_impl  # skip dispatch
+    op = eager_or_op(_quantize_op, _quantize_impl, x)
     return op(x, scaling_mode)
 
 
@@ -230,7 +231,7 @@ def quantize_packed(
     check_scaling_mode(scaling_mode)
     if resolve_backend(backend, x.device, _quantize_kernel) == "torch":
         return pack(*quantize_reference(x, scaling_mode))
-    op = _quantize_packed_op if torch.compiler.is_compiling() else _quantize_packed_impl
+    op = eager_or_op(_quantize_packed_op, _quantize_packed_impl, x)
     return op(x, scaling_mode)
 
 

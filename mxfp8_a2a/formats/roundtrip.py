@@ -19,6 +19,7 @@ from .._common import (
     block_count,
     check_float_input,
     check_scaling_mode,
+    eager_or_op,
     resolve_backend,
 )
 from .bits import block_tile, mx_dequantize_blocks, mx_quantize_blocks, store_float, to_fp32
@@ -122,7 +123,7 @@ def quantize_dequantize(
     check_scaling_mode(scaling_mode)
     if resolve_backend(backend, x.device, _roundtrip_kernel) == "torch":
         return quantize_dequantize_reference(x, scaling_mode)
-    op = _roundtrip_op if torch.compiler.is_compiling() else _roundtrip_impl
+    op = eager_or_op(_roundtrip_op, _roundtrip_impl, x)
     return op(x, scaling_mode)
 
 

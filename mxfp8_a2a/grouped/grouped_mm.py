@@ -4,7 +4,8 @@ x [M, K] holds rows grouped by expert (group e is rows offs[e-1]:offs[e]), w [E,
 experts' weights: out[rows of e] = x[rows of e] @ w[e]. Layers: torch's grouped GEMMs
 (torch._grouped_mm, torch._scaled_grouped_mm) and the custom op ``mxfp8_a2a::grouped_mm_loop``
 (a per-expert loop) -> the autograd Function _GroupedMM (bf16) and the custom op
-``mxfp8_a2a::fp8_rowwise_grouped_mm`` with its autograd (fp8_rowwise.py) -> grouped_mm.
+``mxfp8_a2a::fp8_rowwise_grouped_mm`` with its autograd (fp8_rowwise.py; eager calls take an
+autograd Function of the same forward and backward) -> grouped_mm.
 The plain-torch definition is grouped_mm_reference.py.
 
 Layout rules of torch's CUDA grouped GEMMs, as read in its sources (aten/src/ATen/native/
@@ -43,7 +44,7 @@ from .._common import contiguous
 from .fp8_rowwise import (
     Fp8Weights,
     check_fp8_weights,
-    fp8_rowwise_grouped_mm,
+    fp8_grouped_mm,
     fp8_rowwise_weights,
 )
 from .grouped_mm_reference import grouped_mm_reference
@@ -265,7 +266,7 @@ def grouped_mm(
             fp8_weights = fp8_rowwise_weights(w)  # grad_x's copy of w made with the forward's
         cached = [] if fp8_weights is None else list(fp8_weights)
         hp = precision == "fp8_rowwise_gw_hp"
-        return fp8_rowwise_grouped_mm(x.contiguous(), w.contiguous(), offs, cached, hp)
+        return fp8_grouped_mm(x.contiguous(), w.contiguous(), offs, cached, hp)
     if path == "grouped":
         return _GroupedMM.apply(x.contiguous(), w.contiguous(), offs, False)
     return _GroupedMM.apply(x, w, offs, True)

@@ -3,8 +3,9 @@
 
 Layers: two Triton kernels, both reading and writing any strides: the row-block kernel
 (kernels.py, groups along the contiguous axis of x and of the data) and the colwise kernels
-(kernels_colwise.py, every other layout: an amax launch and a cast launch) -> launcher -> custom op
-``mxfp8_a2a::per_group_scales`` -> ``per_group_colwise_scales`` / ``per_group_rowwise_scales``.
+(kernels_colwise.py, every other layout: an amax launch and a cast launch) -> launcher, registered
+as the custom op ``mxfp8_a2a::per_group_scales`` for torch.compile and called directly otherwise
+(``_common.eager_or_op``) -> ``per_group_colwise_scales`` / ``per_group_rowwise_scales``.
 Rowwise scales of x are colwise scales of x.t() (the same numbers, the data transposed), so
 each function can run either kernel without a copy ("direct": its own orientation;
 "transpose": the other one on the view x.t()); "auto" picks from the strides. The definitions
@@ -16,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from .. import _config
-from .._common import cdiv, kernels_run_on, next_pow2, resolve_backend
+from .._common import cdiv, eager_or_op, kernels_run_on, next_pow2, resolve_backend
 from ..formats.launch import launch
 from .kernels import _row_block_kernel
 from .kernels_colwise import _amax_kernel, _cast_kernel
@@ -156,11 +157,9 @@ def _colwise(
     return scales
 
 
-@torch.library.custom_op("mxfp8_a2a::per_group_scales", mutates_args=())
-def _per_group_op(
-    x: torch.Tensor, offs: torch.Tensor, pow2: bool, group_dim: int, column_major: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return _per_group_triton(x, offs, pow2, group_dim, column_major)
+_per_group_op = torch.library.custom_op(
+    "mxfp8_a2a::per_group_scales", _per_group_triton, mutates_args=()
+)
 
 
 @_per_group_op.register_fake
@@ -181,7 +180,6 @@ def _kernels_run_on(device: torch.device) -> bool:
     return kernels_run_on(device, _cast_kernel)
 
 
-@torch.library.custom_op("mxfp8_a2a::padded_token_scales", mutates_args=())
 def padded_token_scales(
     x: torch.Tensor, offs: torch.Tensor, inverse: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -194,6 +192,12 @@ def padded_token_scales(
     if not _kernels_run_on(x.device):
         data, scales, pad = padded_token_reference(x, offs)
         return data, scales.reciprocal() if inverse else scales, pad
+    return eager_or_op(_padded_token_op, _padded_token_impl, x)(x, offs, inverse)
+
+
+def _padded_token_impl(
+    x: torch.Tensor, offs: torch.Tensor, inverse: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     m, k = x.shape
     cap = padded_length(m, offs.numel())
     data = torch.empty((k, cap), dtype=torch.uint8, device=x.device)
@@ -204,7 +208,12 @@ def padded_token_scales(
     return data.view(torch.float8_e4m3fn), scales[0], pad
 
 
-@padded_token_scales.register_fake
+_padded_token_op = torch.library.custom_op(
+    "mxfp8_a2a::padded_token_scales", _padded_token_impl, mutates_args=()
+)
+
+
+@_padded_token_op.register_fake
 def _(x, offs, inverse=False):
     cap = padded_length(x.shape[0], offs.shape[0])
     data = x.new_empty((x.shape[1], cap), dtype=torch.float8_e4m3fn)
@@ -212,7 +221,6 @@ def _(x, offs, inverse=False):
     return data, scales, offs.new_empty(offs.shape, dtype=torch.int32)
 
 
-@torch.library.custom_op("mxfp8_a2a::expert_column_scales", mutates_args=())
 def expert_column_scales(
     w: torch.Tensor, inverse: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -223,6 +231,12 @@ def expert_column_scales(
     if not _kernels_run_on(w.device):
         data, scales = expert_column_reference(w)
         return data, scales.reciprocal() if inverse else scales
+    return eager_or_op(_expert_column_op, _expert_column_impl, w)(w, inverse)
+
+
+def _expert_column_impl(
+    w: torch.Tensor, inverse: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     e, k, n = w.shape
     data = torch.empty((e, n, k), dtype=torch.uint8, device=w.device).transpose(1, 2)
     offs = torch.full((1,), k, dtype=torch.int32, device=w.device)
@@ -230,7 +244,12 @@ def expert_column_scales(
     return data.view(torch.float8_e4m3fn), scales.view(e, n)
 
 
-@expert_column_scales.register_fake
+_expert_column_op = torch.library.custom_op(
+    "mxfp8_a2a::expert_column_scales", _expert_column_impl, mutates_args=()
+)
+
+
+@_expert_column_op.register_fake
 def _(w, inverse=False):
     e, k, n = w.shape
     data = w.new_empty((e, n, k), dtype=torch.float8_e4m3fn).transpose(1, 2)
@@ -254,9 +273,10 @@ def _triton(x, offs, pow2: bool, group_dim: int, method: str, data_layout: str):
             method = "direct" if group_dim == 1 else "transpose"
         else:
             method = "transpose" if group_dim == 1 else "direct"
+    op = eager_or_op(_per_group_op, _per_group_triton, x)
     if method == "direct":
-        return _per_group_op(x, offs, pow2, group_dim, column_major)
-    data, scales = _per_group_op(x.t(), offs, pow2, 1 - group_dim, not column_major)
+        return op(x, offs, pow2, group_dim, column_major)
+    data, scales = op(x.t(), offs, pow2, 1 - group_dim, not column_major)
     return data.t(), scales
 
 

@@ -5,8 +5,9 @@ that holds whole rows in registers: each element is read once and written once (
 per bf16 element), where the row-block kernel reads rows wider than its largest size class
 twice, in tiles of part of a row.
 
-Layers: ``_row_scales_kernel`` -> the custom op ``mxfp8_a2a::row_scales`` (checks,
-allocation, grid) -> :func:`row_scales`, which takes the per-group kernels for rows wider
+Layers: ``_row_scales_kernel`` -> ``_row_scales_impl`` (allocation, grid), registered as the
+custom op ``mxfp8_a2a::row_scales`` for torch.compile and called directly otherwise (see
+``_common.eager_or_op``) -> :func:`row_scales`, which takes the per-group kernels for rows wider
 than ``_config.ROW_SCALES_MAX_WIDTH`` or strided along the row, and the plain-torch reference
 where the kernels do not run.
 """
@@ -18,7 +19,7 @@ import triton
 import triton.language as tl
 
 from .. import _config
-from .._common import cdiv, next_pow2
+from .._common import cdiv, eager_or_op, next_pow2
 from ..formats.bits import to_fp32
 from ..formats.launch import launch
 from .kernels import _amax_bits, _e4m3_bits, _offsets, _scales, _stored_scale
@@ -48,8 +49,7 @@ def _row_scales_kernel(
     tl.store(scale_ptr + r, _stored_scale(scale, INVERSE), mask=rmask)
 
 
-@torch.library.custom_op("mxfp8_a2a::row_scales", mutates_args=())
-def _row_scales_op(
+def _row_scales_impl(
     x: torch.Tensor, pow2: bool, inverse: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     n_rows, n_cols = x.shape
@@ -69,6 +69,9 @@ def _row_scales_op(
     else:  # rows without columns: the scale of an empty group
         scales.fill_(empty_group_scale(pow2, inverse))
     return data.view(torch.float8_e4m3fn), scales
+
+
+_row_scales_op = torch.library.custom_op("mxfp8_a2a::row_scales", _row_scales_impl, mutates_args=())
 
 
 @_row_scales_op.register_fake
@@ -91,7 +94,8 @@ def row_scales(
             f"row_scales: x must be a 2-D bf16 or fp32 tensor, got {x.dtype} {tuple(x.shape)}"
         )
     if _kernels_run_on(x.device) and _row_kernel_fits(x):
-        return _row_scales_op(x, round_scales_to_power_of_2, inverse)
+        op = eager_or_op(_row_scales_op, _row_scales_impl, x)
+        return op(x, round_scales_to_power_of_2, inverse)
     whole = torch.full((1,), x.shape[1], dtype=torch.int32, device=x.device)
     if _kernels_run_on(x.device):  # the per-group kernels choose a kernel for x's strides
         data, scales = per_group_rowwise_scales(

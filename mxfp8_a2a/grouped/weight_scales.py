@@ -12,7 +12,8 @@ colwise cast launch then makes the column copy from that workspace. Bytes per bf
 of the two ops apart, bit for bit (the same amax bits, the same scale and cast code).
 
 Layers: ``_weight_rows_kernel`` + the colwise cast launch (per_group_scales._colwise) ->
-the custom op ``mxfp8_a2a::weight_scales`` (checks, allocation, grid) -> :func:`weight_scales`,
+``_weight_scales_impl`` (allocation, grid), the custom op ``mxfp8_a2a::weight_scales`` under
+torch.compile (``_common.eager_or_op``) -> :func:`weight_scales`,
 which composes the two ops apart where the kernel does not apply (rows wider than
 ``_config.ROW_SCALES_MAX_WIDTH``) and the references where the kernels do not run.
 """
@@ -24,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .. import _config
-from .._common import cdiv, next_pow2
+from .._common import cdiv, eager_or_op, next_pow2
 from ..formats.bits import to_fp32
 from ..formats.launch import launch
 from .kernels import _amax_bits, _e4m3_bits, _scales, _stored_scale
@@ -77,8 +78,7 @@ def _rows_per_program(k: int, e: int, block_r: int) -> int:
     return rows
 
 
-@torch.library.custom_op("mxfp8_a2a::weight_scales", mutates_args=())
-def _weight_scales_op(
+def _weight_scales_impl(
     w: torch.Tensor, inverse: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     e, k, n = w.shape
@@ -102,6 +102,11 @@ def _weight_scales_op(
     by_row = by_row.view(e, k, n).transpose(1, 2)
     f8 = torch.float8_e4m3fn
     return by_column.view(f8), col_s.view(e, n), by_row.view(f8), row_s.view(e, k)
+
+
+_weight_scales_op = torch.library.custom_op(
+    "mxfp8_a2a::weight_scales", _weight_scales_impl, mutates_args=()
+)
 
 
 @_weight_scales_op.register_fake
@@ -134,7 +139,7 @@ def weight_scales(
         )
     fits = w.shape[2] <= _config.ROW_SCALES_MAX_WIDTH and w.numel() > 0
     if fits and _kernels_run_on(w.device):
-        return _weight_scales_op(w, inverse)
+        return eager_or_op(_weight_scales_op, _weight_scales_impl, w)(w, inverse)
     return weight_scales_apart(w, inverse=inverse)
 
 

@@ -15,7 +15,9 @@ over the hidden axis in tiles, in another order than torch (equal to fp32 roundi
 
 Layers: ``_slot_sum_kernel`` / ``_slot_sum_backward_kernel`` -> the custom ops
 ``mxfp8_a2a::slot_sum`` / ``slot_sum_backward`` (checks, allocation, grid; autograd
-registered) -> :func:`slot_sum`, which takes the plain-torch reference for rows other than
+registered), which torch.compile traces; eager calls run the same forward and backward
+through an autograd Function, without the dispatcher (``_common.eager_or_op``) ->
+:func:`slot_sum`, which takes the plain-torch reference for rows other than
 bf16 and where the kernels do not run. The forward kernel with unit weights is also
 ``mxfp8_a2a::row_sums`` -> :func:`row_sums` (the backward of dispatch's gather of k copies
 per token, rows.py).
@@ -28,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .. import _config
-from .._common import cdiv, kernels_run_on, next_pow2
+from .._common import cdiv, eager_or_op, kernels_run_on, next_pow2
 from ..formats.bits import fp32_to_bf16, to_fp32
 from ..formats.launch import launch
 
@@ -142,8 +144,7 @@ def _(rows, pos, weights):
     return rows.new_empty((pos.shape[0], rows.shape[1]))
 
 
-@torch.library.custom_op("mxfp8_a2a::slot_sum_backward", mutates_args=())
-def _slot_sum_backward_op(
+def _slot_sum_backward_impl(
     grad: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     n_tokens, k = pos.shape
@@ -162,6 +163,11 @@ def _slot_sum_backward_op(
     return grad_rows, grad_w
 
 
+_slot_sum_backward_op = torch.library.custom_op(
+    "mxfp8_a2a::slot_sum_backward", _slot_sum_backward_impl, mutates_args=()
+)
+
+
 @_slot_sum_backward_op.register_fake
 def _(grad, rows, pos, weights):
     return torch.empty_like(rows), rows.new_empty(pos.shape, dtype=torch.float32)
@@ -172,13 +178,29 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(rows, pos, weights)
 
 
-def _backward(ctx, grad):
-    rows, pos, weights = ctx.saved_tensors
-    grad_rows, grad_w = _slot_sum_backward_op(grad, rows, pos, weights)
-    return grad_rows, None, grad_w.to(weights.dtype)
+def _backward_through(backward):
+    def _backward(ctx, grad):
+        rows, pos, weights = ctx.saved_tensors
+        grad_rows, grad_w = backward(grad, rows, pos, weights)
+        return grad_rows, None, grad_w.to(weights.dtype)
+
+    return _backward
 
 
-_slot_sum_op.register_autograd(_backward, setup_context=_setup_context)
+_slot_sum_op.register_autograd(
+    _backward_through(_slot_sum_backward_op), setup_context=_setup_context
+)
+
+
+class _SlotSum(torch.autograd.Function):
+    """The op's forward and backward without the dispatcher (eager calls)."""
+
+    @staticmethod
+    def forward(rows, pos, weights):
+        return _forward(rows, pos, weights)
+
+    setup_context = staticmethod(_setup_context)
+    backward = staticmethod(_backward_through(_slot_sum_backward_impl))
 
 
 def _check(rows: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor | None) -> None:
@@ -218,13 +240,16 @@ def slot_sum(rows: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor) -> to
         and weights.dtype in _WEIGHT_DTYPES
         and kernels_run_on(rows.device, _slot_sum_kernel)
     ):
-        return _slot_sum_op(rows.contiguous(), pos.contiguous(), weights.contiguous())
+        op = eager_or_op(_slot_sum_op, _SlotSum.apply, rows)
+        return op(rows.contiguous(), pos.contiguous(), weights.contiguous())
     return slot_sum_reference(rows, pos, weights)
 
 
-@torch.library.custom_op("mxfp8_a2a::row_sums", mutates_args=())
-def _row_sums_op(rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+def _row_sums_impl(rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     return _forward(rows, pos, None)
+
+
+_row_sums_op = torch.library.custom_op("mxfp8_a2a::row_sums", _row_sums_impl, mutates_args=())
 
 
 @_row_sums_op.register_fake
@@ -238,6 +263,6 @@ def row_sums(rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     the kernel (fp32 sums over j in order, one rounding), others index_select and a sum."""
     _check(rows, pos, None)
     if rows.dtype == torch.bfloat16 and kernels_run_on(rows.device, _slot_sum_kernel):
-        return _row_sums_op(rows.contiguous(), pos.contiguous())
+        return eager_or_op(_row_sums_op, _row_sums_impl, rows)(rows.contiguous(), pos.contiguous())
     t, k = pos.shape
     return rows.index_select(0, pos.reshape(-1)).view(t, k, *rows.shape[1:]).sum(1)
