@@ -120,6 +120,41 @@ def block_count(rows: int, k: int, name: str) -> int:
 
 
 @functools.cache
+def capability(device: torch.device) -> tuple[int, int]:
+    """Compute capability (major, minor) of a CUDA device (cached)."""
+    return torch.cuda.get_device_capability(device)
+
+
+# Triton's e4m3 type, which every FP8 kernel here converts through, needs sm_89 or newer
+E4M3_GPU_FROM = (8, 9)
+
+
+def e4m3_gpu_error(device: torch.device) -> str | None:
+    """Why the FP8 (e4m3) kernels cannot run on ``device``, or None (CPU, or sm_89+)."""
+    if device.type != "cuda" or capability(device) >= E4M3_GPU_FROM:
+        return None
+    major, minor = capability(device)
+    return (
+        f"the MXFP8/FP8 kernels need a GPU of compute capability 8.9 or newer (L4, L40, H100, "
+        f"H200, B200: Triton has no e4m3 type before), and {device} is sm_{major}{minor}: send "
+        "bf16 instead (exchange='bf16' in dispatch, combine and ExpertParallelMoE; "
+        "precision='bf16' in grouped_mm), or run the casts with backend='torch'"
+    )
+
+
+def check_e4m3_gpu(device: torch.device) -> None:
+    """RuntimeError with e4m3_gpu_error's reason where the FP8 kernels cannot run."""
+    problem = e4m3_gpu_error(device)
+    if problem is not None:
+        raise RuntimeError(problem)
+
+
+def hw_e8m0(device: torch.device) -> bool:
+    """Whether kernels on ``device`` take the hardware e8m0 conversion (sm_100+)."""
+    return device.type == "cuda" and capability(device)[0] >= 10
+
+
+@functools.cache
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (cached)."""
     return torch.cuda.get_device_properties(device).multi_processor_count

@@ -122,3 +122,24 @@ def test_nccl_transport_rejects_cpu_tensors_on_an_nccl_group(monkeypatch):
     nccl.NCCL.check(torch.device("cuda", 0), None)
     monkeypatch.setattr(checks.dist, "get_backend", lambda group: "cpu:gloo,cuda:nccl")
     nccl.NCCL.check(torch.device("cpu"), None)
+
+
+@pytest.mark.parametrize("cap, fails", [((8, 0), True), ((8, 6), True), ((8, 9), False)])
+def test_gpus_without_e4m3_get_a_clear_error(monkeypatch, cap, fails):
+    """Before sm_89 (A100: sm_80) Triton has no e4m3: the FP8 kernels' launchers and the MXFP8
+    transports' checks (run before any collective) say so and name the bf16 alternatives,
+    instead of a Triton compile error from inside the exchange."""
+    from mxfp8_a2a import _common
+    from mxfp8_a2a.exchange.nccl import NCCL
+
+    monkeypatch.setattr(_common, "capability", lambda device: cap)
+    gpu = torch.device("cuda", 0)  # (not touched: the capability is the patched one)
+    if not fails:
+        _common.check_e4m3_gpu(gpu)
+        NCCL.check(gpu, None)
+        return
+    with pytest.raises(RuntimeError, match=r"8\.9 or newer.*sm_8\d.*exchange='bf16'"):
+        _common.check_e4m3_gpu(gpu)
+    with pytest.raises(ValueError, match=r"8\.9 or newer"):
+        NCCL.check(gpu, None)
+    _common.check_e4m3_gpu(torch.device("cpu"))  # the interpreter and references: any machine

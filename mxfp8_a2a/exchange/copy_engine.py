@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _config
+from .._common import e4m3_gpu_error
 from .rows import dequantize_into, quantize_into, roundtrip_into, wire_row
 from .transport import Transport
 
@@ -104,6 +105,8 @@ class CopyEngineTransport(Transport):
                 "CopyEngineTransport needs CUDA tensors (GPUs with peer access) and a group of "
                 f"two ranks; got tensors on {device} and {world} ranks: use transport='nccl'"
             )
+        if (problem := e4m3_gpu_error(device)) is not None:
+            raise ValueError(problem)
         given = group if group is not None else dist.group.WORLD
         if given is not self.group:
             raise ValueError(

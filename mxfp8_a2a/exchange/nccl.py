@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _config
+from .._common import e4m3_gpu_error
 from .checks import device_error
 from .rows import dequantize_into, quantize_into, roundtrip_into, wire_row
 from .transport import Transport
@@ -63,7 +64,7 @@ class NcclTransport(Transport):
     def check(self, device: torch.device, group: dist.ProcessGroup | None) -> None:
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"x must be a CPU (gloo) or CUDA (NCCL) tensor, got {device}")
-        problem = device_error(device, group)
+        problem = device_error(device, group) or e4m3_gpu_error(device)
         if problem is not None:
             raise ValueError(problem)
 

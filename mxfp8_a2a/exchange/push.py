@@ -30,10 +30,18 @@ import triton
 import triton.language as tl
 
 from .. import _config
-from .._common import BLOCK, block_count, cdiv, check_scaling_mode, next_pow2
+from .._common import (
+    BLOCK,
+    block_count,
+    cdiv,
+    check_e4m3_gpu,
+    check_scaling_mode,
+    hw_e8m0,
+    next_pow2,
+)
 from ..formats.bits import block_tile, mx_quantize_blocks, to_fp32
 from ..formats.packing import pack
-from ..formats.quantize import _capability, quantize_reference
+from ..formats.quantize import quantize_reference
 from .rows import dequantize_into, wire_row
 
 
@@ -142,6 +150,7 @@ def push_rows(
     n_groups = block_count(m, k, "x")
     if n_groups == 0 or table.numel() == 0:
         return
+    check_e4m3_gpu(x.device)
     soft = x.device.type == "cpu"
     block_g = _config.INTERPRET_BLOCK_G if soft else _config.QUANTIZE_BLOCK_G
     begin = count.cumsum(0) - count
@@ -150,7 +159,7 @@ def push_rows(
         x.stride(0), x.stride(1), wire_row(k), capacity, k,
         RCEIL=scaling_mode == "rceil", BLOCK_G=block_g,
         BW=max(2, next_pow2(table.numel())), SOFT=soft,
-        HW_E8M0=not soft and _capability(x.device) >= 10,
+        HW_E8M0=hw_e8m0(x.device),
         num_warps=_config.QUANTIZE_NUM_WARPS,
     )  # fmt: skip
 

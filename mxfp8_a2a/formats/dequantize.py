@@ -16,6 +16,7 @@ from .._common import (
     BLOCK,
     as_rows,
     block_count,
+    check_e4m3_gpu,
     check_out_dtype,
     eager_or_op,
     resolve_backend,
@@ -125,6 +126,7 @@ def _launch(
     n_groups = block_count(rows, k, "data")
     if n_groups <= 0:
         return
+    check_e4m3_gpu(out.device)
     soft = out.device.type == "cpu"
     block_g = _config.INTERPRET_BLOCK_G if soft else block_g or _config.DEQUANTIZE_BLOCK_G
     int64 = max((rows - 1) * stride_dm + k + k // BLOCK, m * out.stride(0)) >= 2**31

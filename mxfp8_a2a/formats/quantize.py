@@ -7,8 +7,6 @@ Layers: ``_quantize_kernel`` (Triton) -> ``_launch`` (checks, grid) -> custom op
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -19,9 +17,11 @@ from .._common import (
     E4M3_MAX,
     as_rows,
     block_count,
+    check_e4m3_gpu,
     check_float_input,
     check_scaling_mode,
     eager_or_op,
+    hw_e8m0,
     resolve_backend,
 )
 from .bits import block_tile, mx_quantize_blocks, skip_gap, to_fp32
@@ -129,6 +129,7 @@ def _launch(
     n_groups = block_count(rows, k, "x")
     if n_groups <= 0:
         return
+    check_e4m3_gpu(x2d.device)
     soft = x2d.device.type == "cpu"
     block_g = _config.INTERPRET_BLOCK_G if soft else block_g or _config.QUANTIZE_BLOCK_G
     in_extent = (m - 1) * x2d.stride(0) + (k - 1) * x2d.stride(1) + 1
@@ -139,16 +140,11 @@ def _launch(
         "RCEIL": scaling_mode == "rceil",
         "BLOCK_G": block_g,
         "SOFT": soft,
-        "HW_E8M0": not soft and _capability(x2d.device) >= 10,
+        "HW_E8M0": hw_e8m0(x2d.device),
         "INT64": int64,
     }
     warps = num_warps or _config.QUANTIZE_NUM_WARPS
     launch_tiles(_quantize_kernel, n_groups, args, consts, warps, max_programs)
-
-
-@functools.cache
-def _capability(device: torch.device) -> int:
-    return torch.cuda.get_device_capability(device)[0]
 
 
 # ---------------------------------------------------------------------------- custom ops

@@ -17,15 +17,17 @@ from .._common import (
     BLOCK,
     as_rows,
     block_count,
+    check_e4m3_gpu,
     check_float_input,
     check_scaling_mode,
     eager_or_op,
+    hw_e8m0,
     resolve_backend,
 )
 from .bits import block_tile, mx_dequantize_blocks, mx_quantize_blocks, store_float, to_fp32
 from .dequantize import dequantize_reference
 from .launch import launch_tiles
-from .quantize import _capability, _needs_int64, quantize_reference
+from .quantize import _needs_int64, quantize_reference
 
 
 def quantize_dequantize_reference(x: torch.Tensor, scaling_mode: str = "rceil") -> torch.Tensor:
@@ -77,6 +79,7 @@ def _launch(
     n_groups = block_count(m, k, "x")
     if n_groups <= 0:
         return
+    check_e4m3_gpu(x2d.device)
     soft = x2d.device.type == "cpu"
     block_g = _config.INTERPRET_BLOCK_G if soft else block_g or _config.ROUNDTRIP_BLOCK_G
     in_extent = (m - 1) * x2d.stride(0) + (k - 1) * x2d.stride(1) + 1
@@ -85,7 +88,7 @@ def _launch(
         "RCEIL": scaling_mode == "rceil",
         "BLOCK_G": block_g,
         "SOFT": soft,
-        "HW_E8M0": not soft and _capability(x2d.device) >= 10,
+        "HW_E8M0": hw_e8m0(x2d.device),
         "INT64": _needs_int64(in_extent, m * out.stride(0)),
     }
     warps = num_warps or _config.ROUNDTRIP_NUM_WARPS

@@ -35,12 +35,10 @@ Nothing here reads offs on the host except the CPU loop and ``validate=True``.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from .. import _config
-from .._common import contiguous
+from .._common import capability, contiguous
 from .fp8_rowwise import (
     Fp8Weights,
     check_fp8_weights,
@@ -136,11 +134,6 @@ class _GroupedMM(torch.autograd.Function):
 # ---------------------------------------------------------------------------- public
 
 
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
 def gemm_path(x: torch.Tensor, precision: str) -> str:
     """What runs: "scaled" (the FP8 op, torch._scaled_grouped_mm), "reference" (plain torch:
     the FP8 precisions on CPU or without the ops they use), "grouped" (torch._grouped_mm:
@@ -194,7 +187,7 @@ def _check(x, w, offs, precision: str) -> None:
     if x.is_cuda and e > MAX_GROUPS:
         raise ValueError(f"grouped_mm: at most {MAX_GROUPS} experts on CUDA, got {e}")
     if fp8 and x.is_cuda and not torch.compiler.is_compiling():
-        cap = _capability(x.device.index if x.device.index is not None else 0)
+        cap = capability(x.device)
         if cap < (9, 0):
             raise RuntimeError(
                 f"grouped_mm: precision={precision!r} needs an sm_90+ GPU "

@@ -17,7 +17,14 @@ from __future__ import annotations
 import torch
 
 from .. import _config
-from .._common import cdiv, eager_or_op, kernels_run_on, next_pow2, resolve_backend
+from .._common import (
+    cdiv,
+    check_e4m3_gpu,
+    eager_or_op,
+    kernels_run_on,
+    next_pow2,
+    resolve_backend,
+)
 from ..formats.launch import launch
 from .kernels import _row_block_kernel
 from .kernels_colwise import _amax_kernel, _cast_kernel
@@ -59,6 +66,7 @@ def _per_group_triton(
     """Groups along ``group_dim``: data e4m3 shaped like x (row-major, or column-major),
     scales fp32 (G, x.shape[1 - group_dim]). group_dim 1 runs the row-block kernel, 0 the
     colwise kernels. No host synchronization."""
+    check_e4m3_gpu(x.device)
     g = offs.numel()
     soft = x.device.type == "cpu"
     other_dim = 1 - group_dim
@@ -114,6 +122,7 @@ def _colwise(
     padded end offsets). ``amax``: int32 [B, G, n_other], the amax bits of every group
     already reduced (the amax launch is skipped; weight_scales.py makes them). Returns
     scales fp32 [B, G, n_other] (``inverse``: their reciprocals). No host synchronization."""
+    check_e4m3_gpu(x.device)
     soft = x.device.type == "cpu"
     c = _config.per_group_tiling(0, interpreted=soft)
     batch, extent, n_other = x.shape

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from .. import _config
-from .._common import cdiv, eager_or_op, next_pow2
+from .._common import cdiv, check_e4m3_gpu, eager_or_op, next_pow2
 from ..formats.bits import to_fp32
 from ..formats.launch import launch
 from .kernels import _amax_bits, _e4m3_bits, _offsets, _scales, _stored_scale
@@ -52,6 +52,7 @@ def _row_scales_kernel(
 def _row_scales_impl(
     x: torch.Tensor, pow2: bool, inverse: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    check_e4m3_gpu(x.device)
     n_rows, n_cols = x.shape
     data = torch.empty((n_rows, n_cols), dtype=torch.uint8, device=x.device)
     scales = torch.empty(n_rows, dtype=torch.float32, device=x.device)

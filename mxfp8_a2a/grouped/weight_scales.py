@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .. import _config
-from .._common import cdiv, eager_or_op, next_pow2
+from .._common import cdiv, check_e4m3_gpu, eager_or_op, next_pow2
 from ..formats.bits import to_fp32
 from ..formats.launch import launch
 from .kernels import _amax_bits, _e4m3_bits, _scales, _stored_scale
@@ -81,6 +81,7 @@ def _rows_per_program(k: int, e: int, block_r: int) -> int:
 def _weight_scales_impl(
     w: torch.Tensor, inverse: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    check_e4m3_gpu(w.device)
     e, k, n = w.shape
     by_column = torch.empty((e, n, k), dtype=torch.uint8, device=w.device).transpose(1, 2)
     by_row = torch.empty((e * k, n), dtype=torch.uint8, device=w.device)
