@@ -130,8 +130,11 @@ E4M3_GPU_FROM = (8, 9)
 
 
 def e4m3_gpu_error(device: torch.device) -> str | None:
-    """Why the FP8 (e4m3) kernels cannot run on ``device``, or None (CPU, or sm_89+)."""
-    if device.type != "cuda" or capability(device) >= E4M3_GPU_FROM:
+    """Why the FP8 (e4m3) kernels cannot run on ``device``, or None (CPU, or sm_89+; and
+    while torch.compile traces, where the launchers inside the custom ops check at run time)."""
+    if device.type != "cuda" or torch.compiler.is_compiling():
+        return None
+    if capability(device) >= E4M3_GPU_FROM:
         return None
     major, minor = capability(device)
     return (
