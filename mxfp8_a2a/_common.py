@@ -43,9 +43,18 @@ def eager_or_op(op, impl, x: torch.Tensor):
     return impl if runs_eagerly(x) else op
 
 
+# the number of active torch dispatch modes (make_fx, FlopCounterMode, selective checkpointing
+# policies see the custom ops through them): torch's private accessor where it exists; without
+# it (a torch that lacks it) the modes are not seen and eager calls skip the ops regardless
+_dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
+
+
 def runs_eagerly(x: torch.Tensor) -> bool:
-    """A plain tensor (or Parameter) outside torch.compile / torch.export (eager_or_op)."""
-    return type(x) in _PLAIN_TENSORS and not torch.compiler.is_compiling()
+    """A plain tensor (or Parameter), outside torch.compile / torch.export / torch.jit.trace
+    and with no torch dispatch mode active (eager_or_op)."""
+    if type(x) not in _PLAIN_TENSORS or torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return False
+    return _dispatch_modes is None or _dispatch_modes() == 0
 
 
 def interpreted(kernel) -> bool:

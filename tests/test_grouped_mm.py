@@ -206,6 +206,18 @@ def test_fp8_function_and_op_give_the_same_bits(emulated_gemm, hp):
 
 
 @needs_interpreter
+def test_fp8_function_is_once_differentiable(emulated_gemm):
+    """Like the op (whose backward's casts have no derivative): a second derivative raises
+    instead of leaving out second-order terms."""
+    x, w, offs, _ = _inputs(77, 32, 48, 5, "with_empty", torch.bfloat16, "cpu", fresh_generator())
+    x = x.requires_grad_(True)
+    out = fr.fp8_grouped_mm(x, w, offs, [], False)
+    (gx,) = torch.autograd.grad(out.float().square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        gx.sum().backward()
+
+
+@needs_interpreter
 def test_fp8_weights_made_once_give_the_same_bits(fp8_call, emulated):
     """The CUDA FP8 path with fp8_rowwise_weights(w) made beforehand: the same bits as the
     path that casts w itself, forward and both gradients."""

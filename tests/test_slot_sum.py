@@ -154,3 +154,69 @@ def test_bad_arguments_raise():
             ss.slot_sum(*args)
     with pytest.raises(ValueError, match="one index per row"):
         ss.row_sums(rows, pos[:2])
+
+
+def _fwd_bwd(fn, rows, pos, weights, grad):
+    rows, weights = rows.clone().requires_grad_(True), weights.clone().requires_grad_(True)
+    out = fn(rows, pos, weights)
+    out.backward(grad)
+    return out, rows.grad, weights.grad
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_function_and_op_give_the_same_bits(device):
+    """Eager calls' autograd Function and the custom op torch.compile traces: the same
+    forward and gradients (row_sums too)."""
+    g = fresh_generator()
+    rows, pos, weights = _case(5, 3, 80, device, g, special=False)
+    grad = torch.randn(5, 80, generator=g).to(torch.bfloat16).to(device)
+    fn = _fwd_bwd(ss._SlotSum.apply, rows, pos, weights, grad)
+    op = _fwd_bwd(ss._slot_sum_op, rows, pos, weights, grad)
+    for a, b in zip(fn, op, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(ss._row_sums_impl(rows, pos), ss._row_sums_op(rows, pos))
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_tracers_meet_the_ops(device, monkeypatch):
+    """Under a torch dispatch mode (make_fx, selective checkpointing policies) and in the
+    backward that compiled autograd traces with fake tensors, the custom ops run, not the
+    kernels; eager calls skip them. Not twice differentiable, like the op."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from mxfp8_a2a import _common
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    rows, pos, weights = _case(4, 2, 32, device, fresh_generator(), special=False)
+    with Seen() as seen:
+        ss.slot_sum(rows, pos, weights)
+    assert any("mxfp8_a2a.slot_sum" in op for op in seen.ops), seen.ops
+    if _common._dispatch_modes is not None:  # without torch's accessor: the kernels regardless
+        monkeypatch.setattr(_common, "_dispatch_modes", None)
+        with Seen() as seen:
+            ss.slot_sum(rows, pos, weights)
+        assert not any("mxfp8_a2a" in op for op in seen.ops), seen.ops
+    w = weights.clone().requires_grad_(True)
+    out = ss.slot_sum(rows, pos, w)
+    assert type(out.grad_fn).__name__ == "_SlotSumBackward"  # eager: the Function
+    (gw,) = torch.autograd.grad(out.float().square().sum(), w, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        gw.sum().backward()
+    ca = pytest.importorskip("torch._dynamo.compiled_autograd")
+    if not hasattr(ca, "_enable"):
+        pytest.skip("no compiled autograd in this torch")
+    r = rows.clone().requires_grad_(True)
+    out = ss.slot_sum(r, pos, weights)
+    with ca._enable(torch.compile(backend="eager")):
+        out.float().square().sum().backward()
+    grad = (2 * out.detach().float()).to(out.dtype)
+    want = _fwd_bwd(ss._slot_sum_op, rows, pos, weights, grad)[1]
+    torch.testing.assert_close(r.grad, want, rtol=0, atol=0)

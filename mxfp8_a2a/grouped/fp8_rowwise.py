@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .._common import contiguous, runs_eagerly
 from .per_group_scales import expert_column_scales, padded_token_scales
@@ -163,6 +164,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
         _fp8_setup_context(ctx, (x, w, offs, cached, hp_grad_w), output)
 
     @staticmethod
+    @once_differentiable  # as the op (its backward's casts have no derivative)
     def backward(ctx, grad):
         gx, gw, *_ = _fp8_backward(ctx, grad)
         return gx, gw, None, None, *([None] * ctx.n_cached)

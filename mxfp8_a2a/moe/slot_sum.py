@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 
 from .. import _config
 from .._common import cdiv, eager_or_op, kernels_run_on, next_pow2
@@ -192,15 +193,23 @@ _slot_sum_op.register_autograd(
 )
 
 
+def _slot_sum_backward(grad, rows, pos, weights):
+    """The backward kernel, through the op where a tracer meets it (compiled autograd traces
+    the backward of an eager forward with fake tensors)."""
+    op = eager_or_op(_slot_sum_backward_op, _slot_sum_backward_impl, grad)
+    return op(grad, rows, pos, weights)
+
+
 class _SlotSum(torch.autograd.Function):
-    """The op's forward and backward without the dispatcher (eager calls)."""
+    """The op's forward and backward without the dispatcher (eager calls); like the op, not
+    twice differentiable."""
 
     @staticmethod
     def forward(rows, pos, weights):
         return _forward(rows, pos, weights)
 
     setup_context = staticmethod(_setup_context)
-    backward = staticmethod(_backward_through(_slot_sum_backward_impl))
+    backward = staticmethod(once_differentiable(_backward_through(_slot_sum_backward)))
 
 
 def _check(rows: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor | None) -> None:
