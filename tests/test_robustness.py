@@ -114,8 +114,10 @@ def test_dispatch_tells_every_transport_apart():
 def test_nccl_transport_rejects_cpu_tensors_on_an_nccl_group(monkeypatch):
     """A CPU x on an NCCL group is a bad argument of its rank (gathered by validate=True),
     not a failure inside the collective that leaves the other ranks waiting."""
+    from mxfp8_a2a import _common
     from mxfp8_a2a.exchange import nccl
 
+    monkeypatch.setattr(_common, "capability", lambda device: (9, 0))  # a GPU with e4m3
     monkeypatch.setattr(checks.dist, "get_backend", lambda group: "nccl")
     with pytest.raises(ValueError, match=r"the group's backend \(NCCL\) takes CUDA tensors"):
         nccl.NCCL.check(torch.device("cpu"), None)
