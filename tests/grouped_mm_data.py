@@ -43,6 +43,8 @@ def _offsets(m: int, e: int, kind: str, g: torch.Generator) -> torch.Tensor:
     else:
         ends = sorted(torch.randint(0, m + 1, (e - 1,), generator=g).tolist()) + [m]
         if kind == "with_empty":  # the first, the last and a middle expert empty
+            if e < 3:  # (with fewer the three overlap and the ends would decrease)
+                raise ValueError(f"kind 'with_empty' needs 3 or more experts, got {e}")
             ends[0] = 0
             ends[e // 2] = ends[e // 2 - 1]
             ends[-2] = m
