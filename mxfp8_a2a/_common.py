@@ -38,8 +38,9 @@ def eager_or_op(op, impl, x: torch.Tensor):
     opaque node, and what fake and functional tensors of any tracing, or other tensor
     subclasses, dispatch through). Eager callers need nothing the dispatcher adds, and its
     round trip into a Python custom op costs host time on every call: on one H200 machine
-    (torch 2.11) the eager FP8 experts' step spent most of its host time there
-    (benchmarks/results/2026-12-03/step_host_launch_ab.txt)."""
+    (torch 2.11) it took most of the eager FP8 experts' step's host time
+    (benchmarks/results/2026-12-03/step_host_launch_ab.txt), and calling the implementations
+    directly made that step about as fast as its CUDA-graph replay (eager_bypass_step_ab.txt)."""
     return impl if runs_eagerly(x) else op
 
 
