@@ -144,9 +144,9 @@ def e4m3_gpu_error(device: torch.device) -> str | None:
     while torch.compile traces, where the launchers inside the custom ops check at run time)."""
     if device.type != "cuda" or torch.compiler.is_compiling():
         return None
-    if capability(device) >= E4M3_GPU_FROM:
-        return None
     major, minor = capability(device)
+    if (major, minor) >= E4M3_GPU_FROM:
+        return None
     return (
         f"the MXFP8/FP8 kernels need a GPU of compute capability 8.9 or newer (L4, L40, H100, "
         f"H200, B200: Triton has no e4m3 type before), and {device} is sm_{major}{minor}: send "

@@ -179,25 +179,17 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(rows, pos, weights)
 
 
-def _backward_through(backward):
-    def _backward(ctx, grad):
-        rows, pos, weights = ctx.saved_tensors
-        grad_rows, grad_w = backward(grad, rows, pos, weights)
-        return grad_rows, None, grad_w.to(weights.dtype)
-
-    return _backward
-
-
-_slot_sum_op.register_autograd(
-    _backward_through(_slot_sum_backward_op), setup_context=_setup_context
-)
-
-
-def _slot_sum_backward(grad, rows, pos, weights):
-    """The backward kernel, through the op where a tracer meets it (compiled autograd traces
-    the backward of an eager forward with fake tensors)."""
+def _backward(ctx, grad):
+    """The op's and the Function's backward: the kernel through the op where a tracer meets
+    it (AOTAutograd, and compiled autograd, which traces an eager forward's backward with
+    fake tensors), directly otherwise."""
+    rows, pos, weights = ctx.saved_tensors
     op = eager_or_op(_slot_sum_backward_op, _slot_sum_backward_impl, grad)
-    return op(grad, rows, pos, weights)
+    grad_rows, grad_w = op(grad, rows, pos, weights)
+    return grad_rows, None, grad_w.to(weights.dtype)
+
+
+_slot_sum_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 class _SlotSum(torch.autograd.Function):
@@ -209,7 +201,7 @@ class _SlotSum(torch.autograd.Function):
         return _forward(rows, pos, weights)
 
     setup_context = staticmethod(_setup_context)
-    backward = staticmethod(once_differentiable(_backward_through(_slot_sum_backward)))
+    backward = staticmethod(once_differentiable(_backward))
 
 
 def _check(rows: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor | None) -> None:
