@@ -6,7 +6,8 @@ Layers (one subpackage each):
                  unpack, packed_row_bytes, quantize_dequantize, *_reference
     exchange  -- to_mxfp8_a2a_dequant (differentiable MXFP8 all-to-all),
                  compute_output_splits; transports: "nccl" (default), CopyEngineTransport
-    moe       -- dispatch, combine, ExpertParallelMoE
+    moe       -- dispatch, combine, ExpertParallelMoE; dispatch_static, combine_static
+                 (sync-free, fixed shapes), capacity_for, static_rows, check_no_drops
     grouped   -- per_group_colwise_scales, per_group_rowwise_scales (FP8 scaling of jagged
                  tensors for grouped GEMMs), grouped_mm (the experts' grouped GEMMs),
                  fp8_rowwise_weights / Fp8Weights (its FP8 weight casts, made once)
@@ -39,20 +40,35 @@ from .grouped import (
     per_group_colwise_scales,
     per_group_rowwise_scales,
 )
-from .moe import ExpertParallelMoE, combine, dispatch
+from .moe import (
+    ExpertParallelMoE,
+    StaticHandle,
+    capacity_for,
+    check_no_drops,
+    combine,
+    combine_static,
+    dispatch,
+    dispatch_static,
+    static_rows,
+)
 
 __all__ = [
     "CopyEngineTransport",
     "ExpertParallelMoE",
     "Fp8Weights",
+    "StaticHandle",
     "NcclTransport",
     "Transport",
+    "capacity_for",
+    "check_no_drops",
     "combine",
+    "combine_static",
     "compute_output_splits",
     "dequantize",
     "dequantize_packed",
     "dequantize_reference",
     "dispatch",
+    "dispatch_static",
     "fp8_rowwise_weights",
     "grouped_mm",
     "pack",
@@ -64,6 +80,7 @@ __all__ = [
     "quantize_dequantize_reference",
     "quantize_packed",
     "quantize_reference",
+    "static_rows",
     "to_mxfp8_a2a_dequant",
     "unpack",
 ]

@@ -1,0 +1,355 @@
+"""Static-shape (sync-free) dispatch and combine: counts on the device, fixed capacity,
+expert-major output.
+
+Every shape depends only on what the host knows (tokens T, top_k, num_experts, the group
+size W, ``capacity``), so nothing is read on the host, forward or backward: a MoE layer on
+it can be captured in one CUDA graph and traced by torch.compile(fullgraph=True).
+
+Capacity: rows per (source rank, destination rank) pair. Each rank sends every other rank
+exactly ``capacity`` wire rows (all_to_all_single with fixed, equal splits; rows past a
+pair's count are never read), so wire bytes and buffers are W * capacity rows per rank
+each way, whatever the routing. Per rank pair rather than per expert: the drop decision is
+local to the sender, experts of one rank share the rank's room (skew between the experts of
+a rank costs no drops), and the dropless value is small: T * min(top_k, L) for distinct ids
+per token (L = num_experts / W local experts), T * top_k in general.
+
+Drop rule: a (token, slot) row is dropped when its destination rank already got
+``capacity`` rows of this rank in token-major order (token t before t + 1, slot j before
+j + 1 within a token): the first ``capacity`` rows to each rank are kept. Ids outside
+[0, num_experts) are dropped too and counted apart. A dropped row is not sent, adds nothing
+to combine's sum (whatever its router weight) and gets zero gradient.
+
+Output layout (expert-major): local expert l's rows in one block, within it by source
+rank, within a source in token-major order (the order :func:`dispatch` returns). Block l
+starts at offs[l - 1] (0 for l = 0) and holds round_up(n_l, align) rows, the rows past n_l
+zero; offs = int32 end offsets, what grouped_mm takes. The output has
+``static_rows(capacity, W, L, align)`` rows; the rows past offs[-1] are zero too.
+
+Collectives: one all_to_all_single of W * L int64 counts, then one of the rows (fixed
+splits), forward; the rows' one backward. Every rank must pass the same num_experts,
+hidden size, dtype, exchange and capacity (they set the collectives' sizes; ranks that
+disagree are not detected here and may hang), and the same T when the capacity comes from
+:func:`capacity_for`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .._common import check_scaling_mode
+from ..exchange.checks import device_error, group_rank_and_size
+from ..exchange.plain import HAS_FUNCOL, funcol
+from . import static_rows as rows_ops
+from .static_rows import WIRES
+
+STAT_NAMES = ("dropped", "needed_capacity", "invalid_ids")
+
+
+def capacity_for(num_tokens: int, top_k: int, world: int, capacity_factor: float) -> int:
+    """Rows per rank pair for a capacity factor: ceil(factor * T * top_k / W) (1.0: room for
+    a perfectly balanced routing)."""
+    if not capacity_factor > 0:
+        raise ValueError(f"capacity_factor must be > 0, got {capacity_factor!r}")
+    return math.ceil(capacity_factor * num_tokens * top_k / world)
+
+
+def static_rows(capacity: int, world: int, num_local: int, align: int) -> int:
+    """Rows of static dispatch's output: the most that W * capacity received rows take once
+    each of the L experts' blocks is rounded up to ``align``."""
+    return (world * capacity + num_local * (align - 1)) // align * align
+
+
+@dataclass
+class StaticHandle:
+    """What :func:`combine_static` needs; tensors on x's device.
+
+    rows_of: int64 [T, k], the send-buffer row of each (token, slot), -1 if dropped.
+    src_row: int64 [N], the receive-buffer row each output row came from, -1 for padding.
+    out_row: int64 [W * capacity], the output row of each receive-buffer row, -1 if unused.
+    expert_offsets: int32 [L] end offsets of the experts' blocks (aligned).
+    stats: int64 [3] of this rank: rows dropped, the capacity that would have kept every row
+    (the most rows it routed to one rank), ids outside [0, num_experts) (STAT_NAMES).
+    """
+
+    rows_of: torch.Tensor
+    src_row: torch.Tensor
+    out_row: torch.Tensor
+    expert_offsets: torch.Tensor
+    stats: torch.Tensor
+    capacity: int
+    hidden: int
+    dtype: torch.dtype
+    group: dist.ProcessGroup | None
+    exchange: str
+    scaling_mode: str
+
+
+def _all_to_all(t: torch.Tensor, group) -> torch.Tensor:
+    """all_to_all_single with equal splits (t's rows divide by the group size)."""
+    if torch.compiler.is_compiling() and HAS_FUNCOL:
+        out = funcol.all_to_all_single(t.contiguous(), None, None, group or dist.group.WORLD)
+        return funcol.wait_tensor(out)
+    out = torch.empty_like(t)
+    dist.all_to_all_single(out, t.contiguous(), group=group)
+    return out
+
+
+def _rank_in_bucket(key: torch.Tensor, buckets: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(position of each element among the elements of its bucket, in index order; count of
+    each bucket) for key int64 [N] in [0, buckets)."""
+    counts = torch.zeros(buckets, dtype=torch.int64, device=key.device)
+    counts.scatter_add_(0, key, torch.ones_like(key))
+    order = torch.sort(key, stable=True).indices
+    start = counts.cumsum(0) - counts
+    rank_sorted = torch.arange(key.numel(), device=key.device) - start[key[order]]
+    return torch.empty_like(key).scatter_(0, order, rank_sorted), counts
+
+
+def send_plan(
+    topk_ids: torch.Tensor, num_experts: int, world: int, capacity: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From topk_ids [T, k], on the device: rows_of int64 [T, k] (send-buffer row, -1 if
+    dropped), sent int64 [W, L] (rows kept per destination rank and local expert), stats
+    int64 [3] (StaticHandle.stats). The send buffer holds destination d's rows at
+    [d * capacity, d * capacity + sum(sent[d])), grouped by local expert, token-major within."""
+    t, k = topk_ids.shape
+    local = num_experts // world
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    valid = (flat >= 0) & (flat < num_experts)
+    dest = torch.where(valid, flat // local, world)  # bucket W: invalid ids
+    pos, per_dest = _rank_in_bucket(dest, world + 1)
+    kept = valid & (pos < capacity)
+    key = torch.where(kept, flat, num_experts)  # bucket E: not sent
+    rank_in_expert, per_expert = _rank_in_bucket(key, num_experts + 1)
+    start = per_expert.cumsum(0) - per_expert  # kept rows of experts before e, this rank
+    first = torch.arange(num_experts, device=flat.device) // local * local
+    in_block = start[:num_experts] - start[first]  # expert e's offset in its rank's block
+    e = flat.clamp(0, num_experts - 1)
+    row = dest.clamp(max=world - 1) * capacity + in_block[e] + rank_in_expert
+    rows_of = torch.where(kept, row, -1).view(t, k)
+    n_kept = per_expert[:num_experts].sum()
+    invalid = per_dest[world]
+    needed = per_dest[:world].max() if world else per_dest.new_zeros(())
+    stats = torch.stack([t * k - invalid - n_kept, needed, invalid])
+    return rows_of, per_expert[:num_experts].view(world, local), stats
+
+
+def receive_plan(
+    recv: torch.Tensor, capacity: int, align: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From recv int64 [W, L] (rows from source s for local expert l), on the device:
+    src_row int64 [N], out_row int64 [W * capacity] and the int32 [L] end offsets (see
+    StaticHandle), N = static_rows(capacity, W, L, align)."""
+    world, local = recv.shape
+    n_out = static_rows(capacity, world, local, align)
+    per_expert = recv.sum(0)
+    padded = (per_expert + align - 1) // align * align
+    ends = padded.cumsum(0)
+    block = ends - padded  # where expert l's block starts
+    from_src = recv.cumsum(0) - recv  # rows of l from sources before s
+    in_src = recv.cumsum(1)  # inclusive: end of expert l's rows in source s's block
+    q = torch.arange(capacity, device=recv.device).expand(world, capacity).contiguous()
+    lid = torch.searchsorted(in_src, q, right=True)  # local expert of each received row
+    used = lid < local
+    lc = lid.clamp(max=local - 1)
+    s = torch.arange(world, device=recv.device)[:, None]
+    out = block[lc] + from_src[s, lc] + q - (in_src[s, lc] - recv[s, lc])
+    out_row = torch.where(used, out, -1).reshape(-1)
+    src = torch.full((n_out + 1,), -1, dtype=torch.int64, device=recv.device)
+    src.scatter_(0, torch.where(out_row < 0, n_out, out_row), torch.arange(world * capacity,
+                 device=recv.device))  # fmt: skip
+    return src[:n_out], out_row, ends.to(torch.int32)
+
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, rows_of, src_row, out_row, n_send, group, wire, mode):
+        ctx.save_for_backward(rows_of, out_row)
+        ctx.args = (x.shape[1], x.dtype, group, wire, mode)
+        buf = rows_ops.scatter_encode(x, rows_of, n_send, wire, mode)
+        return rows_ops.gather_decode(_all_to_all(buf, group), src_row, x.shape[1], x.dtype, wire)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows_of, out_row = ctx.saved_tensors
+        hidden, dtype, group, wire, mode = ctx.args
+        back = _all_to_all(rows_ops.gather_encode(grad.contiguous(), out_row, wire, mode), group)
+        grad_x = rows_ops.slot_sum_decode(back, rows_of, None, hidden, dtype, wire)
+        return grad_x, None, None, None, None, None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, weights, rows_of, src_row, out_row, group, wire, mode):
+        back = _all_to_all(rows_ops.gather_encode(y.contiguous(), out_row, wire, mode), group)
+        ctx.save_for_backward(back, rows_of, src_row, weights)
+        ctx.args = (y.shape[1], y.dtype, group, wire, mode)
+        return rows_ops.slot_sum_decode(back, rows_of, weights, y.shape[1], y.dtype, wire)
+
+    @staticmethod
+    def backward(ctx, grad):
+        back, rows_of, src_row, weights = ctx.saved_tensors
+        hidden, dtype, group, wire, mode = ctx.args
+        grad_buf, grad_w = rows_ops.slot_sum_decode_backward(
+            grad.contiguous(), back, rows_of, weights, back.shape[0], wire, mode
+        )
+        recv = _all_to_all(grad_buf, group)
+        grad_y = rows_ops.gather_decode(recv, src_row, hidden, dtype, wire)
+        return grad_y, grad_w.to(weights.dtype), None, None, None, None, None, None
+
+
+def _desc(t) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"{t.dtype} {tuple(t.shape)} on {t.device}"
+    return type(t).__name__
+
+
+def _check(x, topk_ids, num_experts, world, capacity, align, exchange, scaling_mode, group):
+    if exchange not in WIRES:
+        raise ValueError(f"exchange must be one of {WIRES}, got {exchange!r}")
+    check_scaling_mode(scaling_mode)
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.dtype.is_floating_point:
+        raise ValueError(f"x must be a floating [tokens, hidden] tensor, got {_desc(x)}")
+    if (problem := device_error(x.device, group)) is not None:
+        raise ValueError(problem)
+    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2:
+        raise ValueError(
+            f"topk_ids must be a 2-D [tokens, k] integer tensor, got {_desc(topk_ids)}"
+        )
+    if topk_ids.shape[0] != x.shape[0] or topk_ids.device != x.device:
+        raise ValueError(
+            f"topk_ids must be [tokens={x.shape[0]}, k] on {x.device}, got "
+            f"{tuple(topk_ids.shape)} on {topk_ids.device}"
+        )
+    dt = topk_ids.dtype
+    if dt.is_floating_point or dt.is_complex or dt == torch.bool:
+        raise ValueError(f"topk_ids must be an integer tensor, got {dt}")
+    if type(num_experts) is not int or num_experts < 1 or num_experts % world:
+        raise ValueError(
+            f"num_experts ({num_experts!r}) must be a positive multiple of the group size ({world})"
+        )
+    if type(capacity) is not int or capacity < 0:
+        raise ValueError(
+            f"capacity must be an int >= 0 (rows per rank pair; see capacity_for), got {capacity!r}"
+        )
+    if type(align) is not int or align < 1:
+        raise ValueError(f"align must be an int >= 1, got {align!r}")
+    if exchange == "mxfp8" and (x.dtype not in (torch.bfloat16, torch.float32) or x.shape[1] % 32):
+        raise ValueError(
+            f"exchange='mxfp8' needs bfloat16 or float32 x with hidden % 32 == 0, got "
+            f"{x.dtype} [.., {x.shape[1]}]; pad hidden or pass exchange='bf16'"
+        )
+
+
+def dispatch_static(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    capacity: int,
+    group: dist.ProcessGroup | None = None,
+    *,
+    exchange: str = "mxfp8",
+    align: int = 16,
+    scaling_mode: str = "rceil",
+) -> tuple[torch.Tensor, torch.Tensor, StaticHandle]:
+    """Send each token to the ranks of its top-k experts, with no host sync.
+
+    Args:
+        x: [T, H] tokens (bf16 or fp32, H % 32 == 0, for "mxfp8"); T may be 0.
+        topk_ids: [T, k] integer expert ids; ids outside [0, num_experts) are dropped and
+            counted (stats[2]).
+        num_experts: total experts, a multiple of the group size W.
+        capacity: rows each rank sends each rank (:func:`capacity_for` from a capacity
+            factor; T * min(k, L) is dropless for distinct ids per token). Memory: two
+            wire buffers of W * capacity rows (the send and receive buffers; wire rows are
+            1.03 * H bytes for "mxfp8", 2 * H for "bf16" with bf16 x) and the
+            static_rows(...) x H output, each way.
+        exchange: "mxfp8" (rows quantized once per token, dequantized on arrival) or "bf16"
+            (rows in x's dtype).
+        align: rows per expert block are rounded up to a multiple of it (16: what torch's
+            FP8 grouped GEMMs want along the tokens).
+    Returns:
+        expert_x: [static_rows(capacity, W, L, align), H] in x's dtype, expert-major (module
+            docstring), padding rows zero; expert_offsets: int32 [L] end offsets of the
+            blocks (grouped_mm's offs; rows past offs[-1] are zero); handle for
+            :func:`combine_static` (handle.stats: drops, see StaticHandle).
+    Differentiable in x; the backward sends the gradient back the same way (MXFP8 for
+    "mxfp8") and sums each token's k copies. Arguments the host sees are checked before
+    any collective (a ValueError on this rank).
+    """
+    _, world = group_rank_and_size(group)
+    _check(x, topk_ids, num_experts, world, capacity, align, exchange, scaling_mode, group)
+    rows_of, sent, stats = send_plan(topk_ids, num_experts, world, capacity)
+    recv = _all_to_all(sent.to(x.device), group)  # [source, local expert]
+    src_row, out_row, offs = receive_plan(recv, capacity, align)
+    out = _Dispatch.apply(
+        x, rows_of, src_row, out_row, world * capacity, group, exchange, scaling_mode
+    )
+    handle = StaticHandle(
+        rows_of, src_row, out_row, offs, stats, capacity, x.shape[1], x.dtype, group,
+        exchange, scaling_mode,
+    )  # fmt: skip
+    return out, offs, handle
+
+
+def combine_static(
+    expert_y: torch.Tensor, topk_weights: torch.Tensor, handle: StaticHandle
+) -> torch.Tensor:
+    """Send expert outputs back and sum them with the router weights, with no host sync.
+
+    Args:
+        expert_y: [N, H] in the layout :func:`dispatch_static` returned (padding rows are
+            not read; their gradient is zero).
+        topk_weights: floating [T, k] router weights.
+        handle: from the matching dispatch_static.
+    Returns:
+        [T, H] in expert_y's dtype: out[t] = sum over kept j of topk_weights[t, j] *
+        y(t, j), weights rounded to expert_y's dtype, fp32 sums over j in order. Dropped
+        slots add nothing; their weights get zero gradient.
+    """
+    n, h = handle.src_row.numel(), handle.hidden
+    t, k = handle.rows_of.shape
+    if not isinstance(expert_y, torch.Tensor) or tuple(expert_y.shape) != (n, h):
+        raise ValueError(
+            f"expert_y must be [{n}, {h}] (dispatch_static's output shape), got {_desc(expert_y)}"
+        )
+    if expert_y.dtype != handle.dtype or expert_y.device != handle.rows_of.device:
+        raise ValueError(
+            f"expert_y must be {handle.dtype} on {handle.rows_of.device} (as dispatch_static's "
+            f"x), got {expert_y.dtype} on {expert_y.device}"
+        )
+    if (
+        not isinstance(topk_weights, torch.Tensor) or tuple(topk_weights.shape) != (t, k)
+        or not topk_weights.dtype.is_floating_point or topk_weights.device != expert_y.device
+    ):  # fmt: skip
+        raise ValueError(
+            f"topk_weights must be a floating [{t}, {k}] tensor on {expert_y.device}, got "
+            f"{_desc(topk_weights)}"
+        )
+    return _Combine.apply(
+        expert_y, topk_weights, handle.rows_of, handle.src_row, handle.out_row, handle.group,
+        handle.exchange, handle.scaling_mode,
+    )  # fmt: skip
+
+
+def check_no_drops(stats: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
+    """Raise the same ValueError on every rank if any rank dropped rows or met bad ids.
+
+    stats: int64 [3] (StaticHandle.stats, or a sum of them, e.g. ExpertParallelMoE's
+    ``dispatch_stats``). A collective and a host sync: call it where the caller chooses (e.g.
+    every N steps), on every rank."""
+    _, world = group_rank_and_size(group)
+    gathered = torch.empty((world, stats.numel()), dtype=stats.dtype, device=stats.device)
+    dist.all_gather_into_tensor(gathered, stats.contiguous(), group=group)
+    per_rank = gathered.tolist()
+    if any(r[0] or r[2] for r in per_rank):
+        needed = max(r[1] for r in per_rank)
+        raise ValueError(
+            f"static dispatch dropped rows: {[r[0] for r in per_rank]} by rank, ids out of "
+            f"range {[r[2] for r in per_rank]} by rank; a capacity of {needed} rows per rank "
+            "pair would have kept every row (raise capacity or capacity_factor)"
+        )

@@ -1,0 +1,140 @@
+"""Row movement of the static dispatch/combine: rows encoded for the wire straight into their
+slots of a send buffer, and decoded straight into their place on arrival.
+
+A wire buffer holds one row per slot: for ``wire="mxfp8"`` uint8 [R, wire_row(H)] (the
+packed MXFP8 row, K e4m3 bytes then K/32 scale bytes, padded to 16 bytes; the bits of
+``quantize_packed``), for ``wire="bf16"`` the rows themselves [R, H] in their own dtype.
+Indices are int64; -1 means "no row" (a dropped (token, slot) row, a padding row).
+
+- :func:`scatter_encode`: buf[rows_of[t, j]] = encode(x[t]) for every j (one token, k slots).
+- :func:`gather_encode`: buf[i] = encode(y[index[i]]), zeros where index[i] = -1.
+- :func:`gather_decode`: out[i] = decode(buf[index[i]]), zeros where index[i] = -1.
+- :func:`slot_sum_decode`: out[t] = sum_j w[t, j] * decode(buf[rows_of[t, j]]) over the
+  slots that hold a row, and its backward :func:`slot_sum_decode_backward`.
+
+Decoded values are rounded to the output dtype before any arithmetic, and the sums run in
+fp32 over j in order with one rounding: exactly what dequantizing into rows and then
+``slot_sum`` / ``row_sums`` give. These are the plain-torch definitions; on CUDA (and on
+CPU under TRITON_INTERPRET=1) the kernels of static_kernels.py run instead, bit for bit the
+same, except that :func:`scatter_encode`'s rows that no token targets are left unwritten
+there (never read by the receiver).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..exchange.rows import wire_row
+from ..formats.dequantize import dequantize_reference
+from ..formats.packing import pack, packed_row_bytes, unpack
+from ..formats.quantize import quantize_reference
+from .slot_sum import slot_sum_reference
+
+WIRES = ("mxfp8", "bf16")
+
+
+def wire_shape(rows: int, hidden: int, dtype: torch.dtype, wire: str) -> tuple[tuple, torch.dtype]:
+    """(shape, dtype) of a wire buffer of ``rows`` rows of ``hidden`` values of ``dtype``."""
+    if wire == "mxfp8":
+        return (rows, wire_row(hidden)), torch.uint8
+    return (rows, hidden), dtype
+
+
+def encode(x: torch.Tensor, wire: str, scaling_mode: str = "rceil") -> torch.Tensor:
+    """Rows [n, H] as wire rows (plain torch)."""
+    if wire == "bf16":
+        return x
+    packed = pack(*quantize_reference(x, scaling_mode))
+    return torch.nn.functional.pad(packed, (0, wire_row(x.shape[1]) - packed.shape[1]))
+
+
+def decode(buf: torch.Tensor, hidden: int, dtype: torch.dtype, wire: str) -> torch.Tensor:
+    """Wire rows -> [n, H] in ``dtype`` (plain torch)."""
+    if wire == "bf16":
+        return buf.to(dtype)
+    return dequantize_reference(*unpack(buf[:, : packed_row_bytes(hidden)]), dtype)
+
+
+def _take(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """t[index] with zero rows where index is -1."""
+    if t.shape[0] == 0:  # (every index is -1)
+        return t.new_zeros((index.numel(), *t.shape[1:]))
+    rows = t.index_select(0, index.clamp(min=0))
+    return rows.masked_fill((index < 0)[:, None], 0)
+
+
+def scatter_encode(
+    x: torch.Tensor, rows_of: torch.Tensor, n_rows: int, wire: str, scaling_mode: str = "rceil"
+) -> torch.Tensor:
+    """x [T, H], rows_of int64 [T, k] (slot of each copy, -1: none; distinct otherwise) ->
+    a wire buffer of n_rows rows holding encode(x[t]) at every rows_of[t, j] (others zero)."""
+    shape, dtype = wire_shape(n_rows, x.shape[1], x.dtype, wire)
+    buf = torch.zeros((n_rows + 1, *shape[1:]), dtype=dtype, device=x.device)
+    k = rows_of.shape[1]
+    index = rows_of.reshape(-1)
+    rows = encode(x, wire, scaling_mode).repeat_interleave(k, dim=0)
+    buf.index_copy_(0, torch.where(index < 0, n_rows, index), rows)
+    return buf[:n_rows]
+
+
+def gather_encode(
+    y: torch.Tensor, index: torch.Tensor, wire: str, scaling_mode: str = "rceil"
+) -> torch.Tensor:
+    """y [N, H], index int64 [R] -> wire buffer [R]: row i = encode(y[index[i]]), zeros for
+    -1."""
+    return encode(_take(y, index), wire, scaling_mode)
+
+
+def gather_decode(
+    buf: torch.Tensor, index: torch.Tensor, hidden: int, dtype: torch.dtype, wire: str
+) -> torch.Tensor:
+    """buf: a wire buffer; index int64 [N] -> [N, hidden] in ``dtype``: decode(buf[index[i]]),
+    zeros for -1."""
+    return decode(_take(buf, index), hidden, dtype, wire)
+
+
+def _slot_rows(buf, rows_of, hidden, dtype, wire) -> torch.Tensor:
+    return gather_decode(buf, rows_of.reshape(-1), hidden, dtype, wire)
+
+
+def slot_sum_decode(
+    buf: torch.Tensor,
+    rows_of: torch.Tensor,
+    weights: torch.Tensor | None,
+    hidden: int,
+    dtype: torch.dtype,
+    wire: str,
+) -> torch.Tensor:
+    """out[t] = sum_j weights[t, j] * decode(buf[rows_of[t, j]]) over the j with
+    rows_of[t, j] >= 0 (weights None: all 1), [T, hidden] in ``dtype``; weights rounded to
+    ``dtype`` first, fp32 sums over j in order, one rounding. A slot without a row adds
+    nothing, whatever its weight (also NaN)."""
+    t, k = rows_of.shape
+    rows = _slot_rows(buf, rows_of, hidden, dtype, wire)
+    pos = torch.arange(t * k, device=buf.device).view(t, k)
+    w = torch.ones((t, k), device=buf.device) if weights is None else weights
+    return slot_sum_reference(rows, pos, w.masked_fill(rows_of < 0, 0))
+
+
+def slot_sum_decode_backward(
+    grad: torch.Tensor,
+    buf: torch.Tensor,
+    rows_of: torch.Tensor,
+    weights: torch.Tensor,
+    n_rows: int,
+    wire: str,
+    scaling_mode: str = "rceil",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of :func:`slot_sum_decode` for grad [T, H]: (a wire buffer of n_rows rows
+    holding encode(w[t, j] * grad[t]) at rows_of[t, j] (the product rounded to grad's dtype,
+    weights rounded to it first), fp32 [T, k] grad of the weights: the fp32 dot product of
+    grad[t] and decode(buf[rows_of[t, j]]), 0 where rows_of is -1)."""
+    t, k = rows_of.shape
+    h = grad.shape[1]
+    rows = _slot_rows(buf, rows_of, h, grad.dtype, wire).view(t, k, h).float()
+    g = grad.float()
+    w = weights.to(grad.dtype).float()
+    grad_rows = (w[:, :, None] * g[:, None, :]).to(grad.dtype).view(t * k, h)
+    grad_w = (rows * g[:, None, :]).sum(-1).masked_fill(rows_of < 0, 0)
+    out = scatter_encode(grad_rows, rows_of.reshape(-1, 1), n_rows, wire, scaling_mode)
+    return out, grad_w
