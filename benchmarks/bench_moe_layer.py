@@ -1,15 +1,21 @@
-"""One ExpertParallelMoE layer, forward + backward, phase by phase, six ways:
+"""One ExpertParallelMoE layer, forward + backward, phase by phase, dispatch host-synced or
+static (sync-free), eager or replayed from a CUDA graph:
 
-    bf16 + loop           plain bf16 exchange, the experts as the old per-expert Python loop
-    bf16 + grouped bf16   plain bf16 exchange, grouped_mm(precision="bf16")
-    mxfp8 + fp8_rowwise   MXFP8 exchange, grouped_mm(precision="fp8_rowwise")
-    mxfp8 + fp8_rowwise, weights reused
-                          the same inside layer.fp8_weight_reuse(): the weights cast to FP8
-                          once (in an untimed step) and reused, as micro-batches 2..n of one
-                          optimizer step under gradient accumulation run
-    mxfp8 + fp8_rowwise_gw_hp (, weights reused)
-                          the same with grouped_mm(precision="fp8_rowwise_gw_hp"): the
-                          weights' gradients unscaled in bf16
+    sync bf16 / sync mxfp8      dispatch/combine with the splits read on the host (the
+                                layer's default), bf16 or MXFP8 exchange
+    static bf16 / static mxfp8  dispatch_static/combine_static (--capacity-factor, default
+                                1.25), eager
+    ..., graph                  the same layer's whole forward + backward captured in one
+                                CUDA graph and replayed (total time only; CUDA only)
+    static mxfp8, rows only (graph)
+                                dispatch_static + combine_static forward + backward with
+                                identity experts, replayed from a graph: the row movement's
+                                own time, beside its HBM bound (bytes each kernel must move
+                                once, at the device-copy ceiling in --copy-tbs)
+    + the FP8 experts (fp8_rowwise, fp8_rowwise_gw_hp, with and without weight reuse) and the
+    old per-expert loop, by name with --variant
+
+The experts are bf16 grouped GEMMs unless the name says otherwise.
 
 Start with torchrun, one process per GPU (NCCL; one rank works: its exchange is local), or
 on a machine without GPUs (gloo, a smoke test with a tiny --shape):
@@ -45,19 +51,27 @@ from tabulate import tabulate
 
 import mxfp8_a2a.moe.layer as layer_module
 from mxfp8_a2a._torchrun import init_from_torchrun
-from mxfp8_a2a.moe import combine, dispatch
+from mxfp8_a2a.moe import capacity_for, combine, combine_static, dispatch, dispatch_static
 from mxfp8_a2a.moe.layer import ExpertParallelMoE, route
 
 GPU_SHAPES = ["4096x7168x8x32x2048", "8192x2048x8x16x768"]
 CPU_SHAPES = ["64x128x2x4x64"]
-VARIANTS = {  # name: (exchange, experts, inside layer.fp8_weight_reuse())
-    "bf16 + loop": ("bf16", "loop", False),
-    "bf16 + grouped bf16": ("bf16", "bf16", False),
-    "mxfp8 + fp8_rowwise": ("mxfp8", "fp8_rowwise", False),
-    "mxfp8 + fp8_rowwise, weights reused": ("mxfp8", "fp8_rowwise", True),
-    "mxfp8 + fp8_rowwise_gw_hp": ("mxfp8", "fp8_rowwise_gw_hp", False),
-    "mxfp8 + fp8_rowwise_gw_hp, weights reused": ("mxfp8", "fp8_rowwise_gw_hp", True),
-}
+VARIANTS = {  # name: (dispatch, exchange, experts, inside fp8_weight_reuse(), graph)
+    "sync bf16": ("sync", "bf16", "bf16", False, False),
+    "sync mxfp8": ("sync", "mxfp8", "bf16", False, False),
+    "static bf16": ("static", "bf16", "bf16", False, False),
+    "static mxfp8": ("static", "mxfp8", "bf16", False, False),
+    "static bf16, graph": ("static", "bf16", "bf16", False, True),
+    "static mxfp8, graph": ("static", "mxfp8", "bf16", False, True),
+    "static mxfp8, rows only (graph)": ("static", "mxfp8", "identity", False, True),
+    "sync bf16 + loop": ("sync", "bf16", "loop", False, False),
+    "sync mxfp8 + fp8_rowwise": ("sync", "mxfp8", "fp8_rowwise", False, False),
+    "sync mxfp8 + fp8_rowwise, weights reused": ("sync", "mxfp8", "fp8_rowwise", True, False),
+    "sync mxfp8 + fp8_rowwise_gw_hp": ("sync", "mxfp8", "fp8_rowwise_gw_hp", False, False),
+    "sync mxfp8 + fp8_rowwise_gw_hp, weights reused": (
+        "sync", "mxfp8", "fp8_rowwise_gw_hp", True, False),
+}  # fmt: skip
+DEFAULT_VARIANTS = list(VARIANTS)[:7]
 MARKS = ("start", "dispatch", "experts", "combine", "combine_bwd", "experts_bwd", "end")
 PHASES = ("total", "fwd", "bwd", "dispatch", "experts", "combine")
 
@@ -135,30 +149,100 @@ class Clock:
         }
 
 
-def step(layer, x, grad, exchange: str, experts: str, clock) -> tuple[torch.Tensor, ...]:
+def step(layer, x, grad, variant, clock, cf: float) -> tuple[torch.Tensor, ...]:
     """One forward + backward of the layer's steps, marking the phase boundaries."""
+    kind, exchange, experts = VARIANTS[variant][:3]
     layer.exchange = exchange
-    if experts != "loop":
+    if experts not in ("loop", "identity"):
         layer.precision = experts
     clock("start")
     weights, ids = route(x @ layer.router.to(x.dtype), layer.top_k)
-    ex, counts, handle = dispatch(x, ids, layer.num_experts, layer.group, exchange=exchange)
+    if kind == "static":
+        cap = capacity_for(x.shape[0], layer.top_k, dist.get_world_size(), cf)
+        ex, offs, handle = dispatch_static(x, ids, layer.num_experts, cap, exchange=exchange)
+        layer.dispatch_stats.add_(handle.stats)
+    else:
+        ex, counts, handle = dispatch(x, ids, layer.num_experts, layer.group, exchange=exchange)
+        offs = handle.expert_offsets
     clock("dispatch")
     if experts == "loop":
         ey = old_expert_loop(ex, layer.w1, layer.w2, counts)
+    elif experts == "identity":
+        ey = ex * 1.0  # (a new tensor: the hooks below need one)
     else:
-        ey = layer.experts(ex, handle.expert_offsets)
+        ey = layer.experts(ex, offs)
     clock("experts")
-    out = combine(ey, weights, handle)
+    out = (combine_static if kind == "static" else combine)(ey, weights, handle)
     clock("combine")
-    ey.register_hook(lambda g: clock("combine_bwd"))  # ey's gradient: combine's backward done
-    ex.register_hook(lambda g: clock("experts_bwd"))  # ex's gradient: the experts' done
+    if clock.cuda is not None:
+        ey.register_hook(lambda g: clock("combine_bwd"))  # combine's backward done
+        ex.register_hook(lambda g: clock("experts_bwd"))  # the experts' backward done
     out.backward(grad)
     clock("end")
     return out.detach(), x.grad
 
 
-def time_variant(layer, x, grad, exchange, experts, iters, warmup, cuda) -> dict[str, float]:
+def graph_ms(layer, x, grad, variant, iters, warmup, cf) -> dict[str, float]:
+    """The step captured in one CUDA graph (forward + backward), replayed: median ms."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the graph (NCCL, autotuning, caches)
+        for _ in range(2):
+            step(layer, x, grad, variant, NoClock(), cf)
+    torch.cuda.current_stream().wait_stream(side)
+    layer.zero_grad(set_to_none=True)
+    x.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(layer, x, grad, variant, NoClock(), cf)
+    times = []
+    for i in range(warmup + iters):
+        dist.barrier()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        if i >= warmup:
+            times.append(start.elapsed_time(end))
+    del graph
+    t = torch.tensor([median(times)], dtype=torch.float64, device=x.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return {p: float("nan") for p in PHASES} | {"total": t.item()}
+
+
+class NoClock:
+    cuda = None
+
+    def __call__(self, name: str) -> None:
+        pass
+
+
+def rows_bound_ms(tokens, hidden, top_k, cf, world, copy_tbs) -> float:
+    """HBM bound of the static MXFP8 row movement, forward + backward of dispatch and combine,
+    one rank: every kernel reads and writes its rows once (kept rows T * k, wire rows
+    1.03 H + pad bytes, buffers of W * capacity wire rows copied by the exchange, outputs of
+    static_rows rows), at the device-copy ceiling (bytes read + written)."""
+    from mxfp8_a2a.exchange.rows import wire_row
+    from mxfp8_a2a.moe import static_rows
+
+    cap = capacity_for(tokens, top_k, world, cf)
+    kept, wire, row = tokens * top_k, wire_row(hidden), 2 * hidden
+    buf = world * cap * wire
+    out = static_rows(cap, world, 1, 16) * row  # (one expert's padding; the rest is the same)
+    a2a = 2 * buf
+    dispatch_fwd = tokens * row + kept * wire + a2a + kept * wire + out
+    dispatch_bwd = kept * row + buf + a2a + kept * wire + tokens * row
+    combine_fwd = kept * row + buf + a2a + kept * wire + tokens * row
+    combine_bwd = tokens * row + 2 * kept * wire + a2a + kept * wire + out
+    total = dispatch_fwd + dispatch_bwd + combine_fwd + combine_bwd
+    return total / (copy_tbs * 1e12) * 1e3
+
+
+def time_variant(layer, x, grad, variant, iters, warmup, cuda, cf) -> dict[str, float]:
+    if VARIANTS[variant][4]:
+        return graph_ms(layer, x, grad, variant, iters, warmup, cf)
     per_phase = {p: [] for p in PHASES}
     clocks = []
     for i in range(warmup + iters):
@@ -168,7 +252,7 @@ def time_variant(layer, x, grad, exchange, experts, iters, warmup, cuda) -> dict
         if cuda:
             torch.cuda.synchronize()
         clock = Clock(cuda)
-        step(layer, x, grad, exchange, experts, clock)
+        step(layer, x, grad, variant, clock, cf)
         if i >= warmup:
             clocks.append(clock)
     if cuda:
@@ -181,7 +265,7 @@ def time_variant(layer, x, grad, exchange, experts, iters, warmup, cuda) -> dict
     return dict(zip(PHASES, t.tolist(), strict=True))
 
 
-def bench_shape(text, variants, iters, warmup, device) -> list[dict]:
+def bench_shape(text, variants, iters, warmup, device, cf, copy_tbs) -> list[dict]:
     tokens, hidden, top_k, experts, ffn = parse_shape(text)
     cuda = device.type == "cuda"
     layer = make_layer(hidden, ffn, experts, top_k, device)
@@ -191,16 +275,24 @@ def bench_shape(text, variants, iters, warmup, device) -> list[dict]:
     grad = torch.randn(tokens, hidden, device=device, generator=g, dtype=torch.bfloat16)
     rows, first = [], None
     for name in variants:
-        exchange, kind, reuse = VARIANTS[name]
+        kind, exchange, experts, reuse, graph = VARIANTS[name]
+        if graph and not cuda:
+            continue
         layer.zero_grad(set_to_none=True)
+        layer.dispatch_stats.zero_()
         x.grad = None
         block = layer.fp8_weight_reuse() if reuse else contextlib.nullcontext()
         with block:  # (reuse: the weights are cast in this first, untimed step)
-            out, gx = step(layer, x, grad, exchange, kind, Clock(False))
+            out, gx = step(layer, x, grad, name, Clock(False), cf)
             first = first or (out, gx.clone())
-            res = time_variant(layer, x, grad, exchange, kind, iters, warmup, cuda)
-        res |= {"shape": text, "variant": name, "exchange": exchange, "experts_gemm": kind}
-        res |= {"fp8_weight_reuse": reuse}
+            dropped = layer.dispatch_stats[0].item()
+            res = time_variant(layer, x, grad, name, iters, warmup, cuda, cf)
+        res |= {"shape": text, "variant": name, "dispatch": kind, "exchange": exchange}
+        res |= {"experts_gemm": experts, "fp8_weight_reuse": reuse, "graph": graph}
+        res |= {"capacity_factor": cf if kind == "static" else None, "dropped_rows": dropped}
+        if experts == "identity":
+            world = dist.get_world_size()
+            res["hbm_bound_ms"] = rows_bound_ms(tokens, hidden, top_k, cf, world, copy_tbs)
         res |= {"sqnr_out_db": sqnr_db(first[0], out), "sqnr_grad_x_db": sqnr_db(first[1], gx)}
         rows.append(res)
     del layer
@@ -210,7 +302,7 @@ def bench_shape(text, variants, iters, warmup, device) -> list[dict]:
 
 
 HEADERS = ["shape", "variant", "fwd+bwd ms", "fwd ms", "bwd ms", "dispatch ms", "experts ms"]
-HEADERS += ["combine ms", "vs first", "experts vs bf16 grouped", "SQNR out", "SQNR grad x"]
+HEADERS += ["combine ms", "vs first", "dropped", "HBM bound ms", "SQNR out", "SQNR grad x"]
 
 
 def table(results: list[dict]) -> list[list]:
@@ -218,11 +310,10 @@ def table(results: list[dict]) -> list[list]:
     for r in results:
         same = [q for q in results if q["shape"] == r["shape"]]
         base = same[0]["total"]
-        grouped = [q for q in same if q["variant"] == "bf16 + grouped bf16"]
-        vs_grouped = grouped[0]["experts"] / r["experts"] if grouped else float("nan")
         out.append(
             [r["shape"], r["variant"]] + [r[p] for p in PHASES]
-            + [base / r["total"], vs_grouped, r["sqnr_out_db"], r["sqnr_grad_x_db"]]
+            + [base / r["total"], r["dropped_rows"], r.get("hbm_bound_ms", float("nan")),
+               r["sqnr_out_db"], r["sqnr_grad_x_db"]]
         )  # fmt: skip
     return out
 
@@ -235,6 +326,8 @@ def main() -> None:
     p.add_argument("--variant", action="append", choices=tuple(VARIANTS), help="repeatable")
     p.add_argument("--iters", type=int, help="timed iterations (default 20 GPU, 3 CPU)")
     p.add_argument("--warmup", type=int, help="untimed iterations first (default 5 GPU, 1 CPU)")
+    p.add_argument("--capacity-factor", type=float, default=1.25, help="static variants")
+    p.add_argument("--copy-tbs", type=float, default=4.21, help="device copy TB/s (H200)")
     p.add_argument("--json", help="write the results here (rank 0)")
     args = p.parse_args()
 
@@ -242,19 +335,23 @@ def main() -> None:
     cuda = device.type == "cuda"
     rank, world = dist.get_rank(), dist.get_world_size()
     shapes = args.shape or (GPU_SHAPES if cuda else CPU_SHAPES)
-    variants = args.variant or list(VARIANTS)
+    variants = args.variant or DEFAULT_VARIANTS
     iters = args.iters or (20 if cuda else 3)
     warmup = args.warmup if args.warmup is not None else (5 if cuda else 1)
     if rank == 0:
         where = "CUDA" if cuda else "CPU/gloo"
         print(f"{world} rank(s) on {where}; {versions()}", file=sys.stderr)
         if not cuda:
-            print("CPU timings check that the benchmark runs; they say nothing about GPUs.")
+            print("CPU/gloo timings check that the benchmark runs; they say nothing about GPUs.")
+        print("'vs first': the first variant's fwd+bwd time over this one's; 'dropped': rows "
+              "the static dispatch dropped in one step (capacity factor "
+              f"{args.capacity_factor})", file=sys.stderr)  # fmt: skip
     if cuda:
         warm_gpu()
     results = []
     for text in shapes:
-        results += bench_shape(text, variants, iters, warmup, device)
+        results += bench_shape(text, variants, iters, warmup, device, args.capacity_factor,
+                               args.copy_tbs)  # fmt: skip
     if rank == 0:
         print(tabulate(table(results), headers=HEADERS, floatfmt=".3f"))
         write_json(

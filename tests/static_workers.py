@@ -155,3 +155,46 @@ def static_vs_dispatch(rank, world, backend, seed, tokens, top_k, per_rank, exch
         assert torch.equal(a, b)
     assert h1.stats.tolist()[0] == 0
     dist.barrier()
+
+
+def static_layer_matches_synced(rank, world, backend, seed, exchange, compiled):
+    """ExpertParallelMoE with a dropless capacity (eager, or compiled with fullgraph=True)
+    against the host-synced layer: output and every gradient; no drops counted."""
+    from mxfp8_a2a.moe.layer import ExpertParallelMoE
+
+    dev = device_for(backend)
+    experts, top_k, tokens = 2 * world, 2, 10
+    results = []
+    for capacity in (None, tokens * top_k):
+        layer = ExpertParallelMoE(HIDDEN, 32, experts, top_k, exchange=exchange, seed=seed,
+                                  capacity=capacity).to(dev)  # fmt: skip
+        x, _, _, grad = inputs(rank, seed, tokens, top_k, experts, "normal", dev)
+        x = x.float().requires_grad_(True)
+        run = torch.compile(layer, fullgraph=True) if compiled and capacity else layer
+        out = run(x)
+        (out * grad.float()).sum().backward()
+        results.append((out.detach(), x.grad, layer.router.grad, layer.w1.grad, layer.w2.grad))
+        if capacity:
+            assert layer.dispatch_stats.tolist() == [0, layer.dispatch_stats[1].item(), 0]
+            mx.check_no_drops(layer.dispatch_stats)
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def static_layer_reports_drops(rank, world, backend):
+    """A capacity too small for the routing: the stats count the drops on the device and
+    check_no_drops raises the same error on every rank."""
+    from mxfp8_a2a.moe.layer import ExpertParallelMoE
+
+    dev = device_for(backend)
+    layer = ExpertParallelMoE(HIDDEN, 32, 2 * world, 2, capacity=1).to(dev)
+    x, _, _, _ = inputs(rank, 0, 8, 2, 2 * world, "normal", dev)
+    layer(x.float())
+    dropped, needed, bad = layer.dispatch_stats.tolist()
+    assert 16 - world <= dropped < 16 and needed >= 2 and bad == 0, layer.dispatch_stats
+    try:
+        mx.check_no_drops(layer.dispatch_stats)
+    except ValueError as e:
+        assert "dropped rows" in str(e) and "capacity of" in str(e), e
+        return str(e)
+    raise AssertionError("check_no_drops did not raise")

@@ -6,7 +6,12 @@ import random
 
 import pytest
 from dist_utils import run_distributed
-from static_workers import static_matches_model, static_vs_dispatch
+from static_workers import (
+    static_layer_matches_synced,
+    static_layer_reports_drops,
+    static_matches_model,
+    static_vs_dispatch,
+)
 
 
 def _seed() -> int:
@@ -37,3 +42,15 @@ def test_static_drop_rule_matches_model(case, exchange):
         static_matches_model, len(tokens), "gloo", _seed(), tokens, top_k, per_rank, routing,
         cap, exchange, align, timeout=300,
     )  # fmt: skip
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("exchange", ["mxfp8", "bf16"])
+def test_static_layer_matches_synced_layer(exchange, compiled):
+    run_distributed(static_layer_matches_synced, 2, "gloo", _seed(), exchange, compiled,
+                    timeout=600)  # fmt: skip
+
+
+def test_static_layer_counts_drops_and_check_raises_everywhere():
+    messages = run_distributed(static_layer_reports_drops, 2, "gloo")
+    assert messages[0] == messages[1]

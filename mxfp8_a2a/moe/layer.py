@@ -21,6 +21,7 @@ from ..exchange.transport import Transport
 from ..grouped.fp8_rowwise import Fp8Weights, fp8_rowwise_weights
 from ..grouped.grouped_mm import PRECISIONS, grouped_mm
 from .dispatch import combine, dispatch, dispatch_reporting
+from .static_dispatch import STAT_NAMES, capacity_for, combine_static, dispatch_static
 
 grouped_mm_module = importlib.import_module("mxfp8_a2a.grouped.grouped_mm")  # not the function
 
@@ -46,6 +47,16 @@ class ExpertParallelMoE(torch.nn.Module):
     gradients unscaled in bf16; bf16 activations); see :func:`mxfp8_a2a.grouped_mm`.
     Parameters are drawn from ``seed`` for all experts and sliced, so every world size builds
     the same model.
+
+    ``capacity_factor`` or ``capacity`` (rows per rank pair) switches to the static dispatch
+    (:func:`mxfp8_a2a.dispatch_static`): no host sync, fixed shapes, so the layer's forward
+    and backward can be captured in one CUDA graph or compiled with fullgraph=True; rows
+    past the capacity are dropped (its docstring gives the rule). ``capacity_factor`` sets
+    ceil(factor * T * top_k / W) from the T of each call (every rank must then pass the
+    same T). ``align``: rows per expert block rounded up to it. The buffer
+    ``dispatch_stats`` (int64 [3], on the layer's device) accumulates the rows dropped, the
+    largest capacity needed and the ids out of range, without a sync;
+    ``mx.check_no_drops(layer.dispatch_stats, group)`` reads it where the caller chooses.
     """
 
     def __init__(
@@ -60,6 +71,9 @@ class ExpertParallelMoE(torch.nn.Module):
         transport: str | Transport = "nccl",
         precision: str = "bf16",
         seed: int = 0,
+        capacity_factor: float | None = None,
+        capacity: int | None = None,
+        align: int = 16,
     ):
         super().__init__()
         if precision not in PRECISIONS:
@@ -75,6 +89,19 @@ class ExpertParallelMoE(torch.nn.Module):
                 f"num_experts ({num_experts}) must be a multiple of the group size ({world})"
             )
         self.num_experts, self.top_k, self.group = num_experts, top_k, group
+        self.static = capacity_factor is not None or capacity is not None
+        if capacity_factor is not None and capacity is not None:
+            raise ValueError("pass capacity_factor or capacity, not both")
+        if capacity_factor is not None:
+            capacity_for(1, 1, 1, capacity_factor)  # its check of the factor
+        if capacity is not None and (type(capacity) is not int or capacity < 0):
+            raise ValueError(f"capacity must be an int >= 0 (rows per rank pair), got {capacity!r}")
+        if self.static and not (isinstance(transport, str) and transport == "nccl"):
+            raise ValueError("the static dispatch (capacity_factor / capacity) runs over NCCL/gloo "
+                             "only: leave transport='nccl'")  # fmt: skip
+        self.capacity_factor, self.capacity, self.align = capacity_factor, capacity, align
+        self.register_buffer("dispatch_stats", torch.zeros(len(STAT_NAMES), dtype=torch.int64),
+                             persistent=False)  # fmt: skip
         self.exchange, self.precision = exchange, precision
         full = init_moe_weights(hidden, ffn, num_experts, seed)
         local = slice(rank * num_experts // world, (rank + 1) * num_experts // world)
@@ -88,15 +115,32 @@ class ExpertParallelMoE(torch.nn.Module):
         """x [T, hidden] (floating, on the parameters' device) -> [T, hidden] in x's dtype.
         An x that is not raises the same ValueError on every rank (from dispatch)."""
         problem = self._input_error(x)
+        if problem is not None and self.static:  # (no sync to tell the other ranks)
+            raise ValueError(problem)
         if problem is not None:  # no routing: dispatch tells every rank, then raises
             dispatch_reporting(
                 x, None, self.num_experts, self.group, self.exchange, self.transport, problem
             )
         weights, ids = route(x @ self.router.to(x.dtype), self.top_k)
+        if self.static:
+            return self._forward_static(x, weights, ids)
         ex, _, handle = dispatch(
             x, ids, self.num_experts, self.group, exchange=self.exchange, transport=self.transport
         )
         return combine(self.experts(ex, handle.expert_offsets), weights, handle)
+
+    def _forward_static(self, x, weights, ids) -> torch.Tensor:
+        world = dist.get_world_size(self.group)
+        cap = self.capacity
+        if cap is None:
+            cap = capacity_for(x.shape[0], self.top_k, world, self.capacity_factor)
+        ex, offs, handle = dispatch_static(
+            x, ids, self.num_experts, cap, self.group, exchange=self.exchange, align=self.align
+        )
+        with torch.no_grad():  # dropped and bad ids add up, the capacity needed is a max
+            s, new = self.dispatch_stats, handle.stats
+            s.copy_(torch.stack([s[0] + new[0], torch.maximum(s[1], new[1]), s[2] + new[2]]))
+        return combine_static(self.experts(ex, offs), weights, handle)
 
     def _input_error(self, x) -> str | None:
         hidden = self.router.shape[0]
