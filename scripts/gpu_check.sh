@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # On a GPU machine: GPU tests, tuning sweeps and benchmarks, logs in OUTDIR.
-#   [TESTS='tests/test_a2a.py ...'] [TEST_FILE_TIMEOUT=300] scripts/gpu_check.sh OUTDIR [tests|tune|bench|cast|pergroup|grouped|host|all]...
+#   [TESTS='tests/test_a2a.py ...'] [TEST_FILE_TIMEOUT=300] scripts/gpu_check.sh OUTDIR [tests|tune|bench|cast|pergroup|grouped|static|host|all]...
 # bench: the whole suite (scripts/run_benchmarks.sh, into OUTDIR/bench); cast, pergroup: the one-GPU parts
 # (pergroup adds the timing-spread probe and the per-group tiling sweep); grouped: grouped_mm's
 # GPU tests, the MoE layer benchmark (one rank), the FP8 experts piece by piece, their colwise
 # pieces per tiling in rounds and the kernels' own time (gpu_time.py); host: host time per
-# exchange call.
+# exchange call; static: the static dispatch's GPU tests and the MoE layer benchmark (one
+# rank, sync and static paths, eager and graph replay).
 set -uo pipefail
 out=${1:?usage: scripts/gpu_check.sh OUTDIR [stage...]}
 shift
@@ -60,6 +61,12 @@ if has grouped; then
   tail -14 "$out/compare_colwise.txt"
   timeout 150 python3 "$here/scripts/gpu_time.py" --json "$out/gpu_time.json" > "$out/gpu_time.txt" 2>&1
   tail -14 "$out/gpu_time.txt"
+fi
+if has static; then
+  timeout 300 python3 -m pytest -q -rs --timeout 280 -p no:cacheprovider "$here/tests/test_static_gpu.py" \
+    "$here/tests/test_static_rows.py" 2>&1 | tail -8 | tee "$out/static_tests.txt"
+  timeout 280 torchrun --nproc-per-node=1 "$here/benchmarks/bench_moe_layer.py" --iters 10 --warmup 3 \
+    --json "$out/moe_layer_static.json" 2>&1 | grep -v '^W1' | tee "$out/moe_layer_static.txt"
 fi
 if has host; then
   # host time per exchange call (one rank per GPU), the cached launch and the public one

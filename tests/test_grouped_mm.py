@@ -288,8 +288,7 @@ BAD = [
     (dict(offs=torch.tensor([[5, 5, 20]]).int()), ValueError, "offs must be an int32 tensor"),
     (dict(offs=torch.tensor([5, 3, 20]).int()), ValueError, "non-decreasing and >= 0"),
     (dict(offs=torch.tensor([-1, 3, 20]).int()), ValueError, "non-decreasing and >= 0"),
-    (dict(offs=torch.tensor([5, 5, 19]).int()), ValueError, r"offs\[-1\] must equal x.shape"),
-    (dict(offs=torch.tensor([5, 5, 21]).int()), ValueError, r"offs\[-1\] must equal x.shape"),
+    (dict(offs=torch.tensor([5, 5, 21]).int()), ValueError, r"offs\[-1\] must be at most x.shape"),
     (dict(offs=torch.tensor([5, 5, 20], device="meta").int()), ValueError, "one device"),
     (dict(precision="fp8_rowwise", w=torch.randn(3, 32, 24)), ValueError, "multiples of 16"),
     (

@@ -16,6 +16,7 @@ from torch.autograd.function import once_differentiable
 from .._common import contiguous, runs_eagerly
 from .per_group_scales import expert_column_scales, padded_token_scales
 from .row_scales import row_scales
+from .trailing import zero_trailing_rows_
 from .weight_scales import weight_scales
 
 _FP8_DTYPES = (torch.bfloat16, torch.float32)
@@ -88,7 +89,7 @@ def _fp8_forward(x, w, offs, cached: list[torch.Tensor]) -> torch.Tensor:
         return x.new_empty((0, w.shape[2]))
     xq, xs = _scale_rows(x)
     wq, ws = cached[:2] if cached else _weights_per_column(w)
-    return _scaled_gmm(xq, wq, xs, ws, offs).to(x.dtype)
+    return zero_trailing_rows_(_scaled_gmm(xq, wq, xs, ws, offs).to(x.dtype), offs)
 
 
 def _fp8_grads(
@@ -104,7 +105,7 @@ def _fp8_grads(
     if need_x:
         gq, gs = _scale_rows(grad)
         wq, ws = by_row if by_row else _weights_per_row(w)
-        gx = _scaled_gmm(gq, wq, gs, ws, offs).to(x.dtype)
+        gx = zero_trailing_rows_(_scaled_gmm(gq, wq, gs, ws, offs).to(x.dtype), offs)
     if need_w and hp_grad_w:  # x^T column-major, grad row-major: 2-D x 2-D, as for bf16
         gw = torch._grouped_mm(x.t(), grad, offs=offs)
     elif need_w:

@@ -46,6 +46,7 @@ from .fp8_rowwise import (
     fp8_rowwise_weights,
 )
 from .grouped_mm_reference import grouped_mm_reference
+from .trailing import zero_trailing_rows_
 
 PRECISIONS = ("bf16", "fp8_rowwise", "fp8_rowwise_gw_hp")
 MAX_GROUPS = 1023  # torch's CUTLASS grouped GEMMs: "Can't process more than 1024 groups"
@@ -61,15 +62,15 @@ HAS_SCALED_GROUPED_MM = hasattr(torch, "_scaled_grouped_mm")
 
 def _host_bounds(offs: torch.Tensor, extent: int) -> list[tuple[int, int]]:
     """(start, end) of each group, read on the host; a ValueError unless the offsets are
-    non-decreasing, >= 0, and the last equals ``extent``."""
+    non-decreasing, >= 0, and the last at most ``extent``."""
     ends = offs.tolist()
     starts = [0] + ends[:-1]
     if any(b < a for a, b in zip(starts, ends, strict=True)):
         raise ValueError(f"grouped_mm: offs must be non-decreasing and >= 0, got {ends}")
-    if ends[-1] != extent:
+    if ends and ends[-1] > extent:
         raise ValueError(
-            f"grouped_mm: offs[-1] must equal x.shape[0] = {extent} (the groups cover every "
-            f"row), got {ends[-1]}"
+            f"grouped_mm: offs[-1] must be at most x.shape[0] = {extent} (rows past offs[-1] "
+            f"are ignored), got {ends[-1]}: the offsets overrun x; pass end offsets of x's rows"
         )
     return list(zip(starts, ends, strict=True))
 
@@ -81,8 +82,8 @@ def _host_bounds(offs: torch.Tensor, extent: int) -> list[tuple[int, int]]:
 def _loop_op(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """torch._grouped_mm's 2-D x 3-D and 2-D x 2-D cases as a loop over groups (offs read on
     the host), each product in fp32 rounded once to a's dtype."""
-    if b.dim() == 3:  # a [M, K] rows grouped, b [E, K, N] -> [M, N]
-        out = a.new_empty((a.shape[0], b.shape[2]))
+    if b.dim() == 3:  # a [M, K] rows grouped, b [E, K, N] -> [M, N]; rows past offs[-1]: 0
+        out = a.new_zeros((a.shape[0], b.shape[2]))
         for e, (lo, hi) in enumerate(_host_bounds(offs, a.shape[0])):
             out[lo:hi] = (a[lo:hi].float() @ b[e].float()).to(out.dtype)
         return out
@@ -114,7 +115,8 @@ class _GroupedMM(torch.autograd.Function):
         ctx.loop = loop
         if x.shape[0] == 0:
             return x.new_empty((0, w.shape[2]))
-        return _gmm(x, w, offs, loop)
+        out = _gmm(x, w, offs, loop)
+        return out if loop else zero_trailing_rows_(out, offs)
 
     @staticmethod
     def backward(ctx, grad):
@@ -126,6 +128,7 @@ class _GroupedMM(torch.autograd.Function):
             grad = contiguous(grad)
             if ctx.needs_input_grad[0]:  # w^T: column-major (E, N, K)
                 gx = _gmm(grad, w.transpose(-2, -1), offs, ctx.loop)
+                gx = gx if ctx.loop else zero_trailing_rows_(gx, offs)
             if ctx.needs_input_grad[1]:  # x^T column-major, grad row-major: 2-D x 2-D
                 gw = _gmm(x.t(), grad, offs, ctx.loop)
         return gx, gw, None, None
@@ -210,10 +213,12 @@ def grouped_mm(
         x: [M, K] rows grouped by expert (bf16; fp32 also, and fp16 for "bf16"); M, K and
             N may be 0 (zeros, zero gradients).
         w: [E, K, N] the experts' weights, x's dtype.
-        offs: int32 [E] group end offsets on x's device: non-decreasing, offs[-1] == M; empty
-            groups allowed. Not read on the host on CUDA for bf16 inputs and for
-            "fp8_rowwise" (unless ``validate``); fp32/fp16 inputs with "bf16" take the
-            per-expert loop, which reads them (one host sync per GEMM).
+        offs: int32 [E] group end offsets on x's device: non-decreasing, offs[-1] <= M; empty
+            groups allowed. Rows past offs[-1] are ignored: their output rows and their
+            gradient are zero, and they add nothing to w's gradient. Not read on the host
+            on CUDA for bf16 inputs and for "fp8_rowwise" (unless ``validate``); fp32/fp16
+            inputs with "bf16" take the per-expert loop, which reads them (one host sync per
+            GEMM).
         precision: "bf16": unscaled, in the inputs' dtype: torch._grouped_mm on CUDA for bf16
             (K, N multiples of 8), else a per-expert loop (a custom op; on CUDA it reads offs
             on the host). "fp8_rowwise" (CUDA sm_90+; K, N multiples of 16): e4m3 operands
