@@ -64,7 +64,7 @@ if has grouped; then
 fi
 if has static; then
   timeout 300 python3 -m pytest -q -rs --timeout 280 -p no:cacheprovider "$here/tests/test_static_gpu.py" \
-    "$here/tests/test_static_rows.py" 2>&1 | tail -8 | tee "$out/static_tests.txt"
+    "$here/tests/test_static_rows.py" "$here/tests/test_grouped_mm_trailing.py" 2>&1 | tail -8 | tee "$out/static_tests.txt"
   timeout 280 torchrun --nproc-per-node=1 "$here/benchmarks/bench_moe_layer.py" --iters 10 --warmup 3 \
     --json "$out/moe_layer_static.json" 2>&1 | grep -v '^W1' | tee "$out/moe_layer_static.txt"
 fi

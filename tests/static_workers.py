@@ -178,7 +178,7 @@ def static_layer_matches_synced(rank, world, backend, seed, exchange, compiled):
             assert layer.dispatch_stats.tolist() == [0, layer.dispatch_stats[1].item(), 0]
             mx.check_no_drops(layer.dispatch_stats)
     for a, b in zip(*results, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)  # (fp32 GEMM blocking)
 
 
 def static_layer_reports_drops(rank, world, backend):

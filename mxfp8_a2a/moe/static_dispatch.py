@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from .._common import check_scaling_mode
+from ..exchange.checks import _all_gather as all_gather
 from ..exchange.checks import device_error, group_rank_and_size
 from ..exchange.plain import HAS_FUNCOL, funcol
 from . import static_rows as rows_ops
@@ -343,9 +344,9 @@ def check_no_drops(stats: torch.Tensor, group: dist.ProcessGroup | None = None) 
     ``dispatch_stats``). A collective and a host sync: call it where the caller chooses (e.g.
     every N steps), on every rank."""
     _, world = group_rank_and_size(group)
-    gathered = torch.empty((world, stats.numel()), dtype=stats.dtype, device=stats.device)
-    dist.all_gather_into_tensor(gathered, stats.contiguous(), group=group)
-    per_rank = gathered.tolist()
+    gathered = torch.empty(world * stats.numel(), dtype=stats.dtype, device=stats.device)
+    all_gather(gathered, stats.contiguous(), group=group)
+    per_rank = gathered.view(world, -1).tolist()
     if any(r[0] or r[2] for r in per_rank):
         needed = max(r[1] for r in per_rank)
         raise ValueError(
