@@ -287,7 +287,7 @@ def bench_shape(text, variants, iters, warmup, device, cf, copy_tbs) -> list[dic
             first = first or (out, gx.clone())
             dropped = layer.dispatch_stats[0].item()
             res = time_variant(layer, x, grad, name, iters, warmup, cuda, cf)
-        res |= {"shape": text, "variant": name, "dispatch": kind, "exchange": exchange}
+        res |= {"shape": text, "variant": name, "path": kind, "exchange": exchange}
         res |= {"experts_gemm": experts, "fp8_weight_reuse": reuse, "graph": graph}
         res |= {"capacity_factor": cf if kind == "static" else None, "dropped_rows": dropped}
         if experts == "identity":
