@@ -167,8 +167,8 @@ def step(layer, x, grad, variant, clock, cf: float) -> tuple[torch.Tensor, ...]:
     clock("dispatch")
     if experts == "loop":
         ey = old_expert_loop(ex, layer.w1, layer.w2, counts)
-    elif experts == "identity":
-        ey = ex * 1.0  # (a new tensor: the hooks below need one)
+    elif experts == "identity":  # (a new tensor where the hooks below need one)
+        ey = ex if clock.cuda is None else ex * 1.0
     else:
         ey = layer.experts(ex, offs)
     clock("experts")
@@ -182,7 +182,7 @@ def step(layer, x, grad, variant, clock, cf: float) -> tuple[torch.Tensor, ...]:
     return out.detach(), x.grad
 
 
-def graph_ms(layer, x, grad, variant, iters, warmup, cf) -> dict[str, float]:
+def graph_ms(layer, x, grad, variant, iters, warmup, cf, profile=0) -> dict[str, float]:
     """The step captured in one CUDA graph (forward + backward), replayed: median ms."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -206,6 +206,12 @@ def graph_ms(layer, x, grad, variant, iters, warmup, cf) -> dict[str, float]:
         end.synchronize()
         if i >= warmup:
             times.append(start.elapsed_time(end))
+    if profile:  # the replay's kernels, longest first (torch.profiler: no host time in it)
+        from common import kernel_us
+
+        kernels = sorted(kernel_us(graph.replay).items(), key=lambda kv: -kv[1][0])
+        for name, (us, n) in kernels[:profile]:
+            print(f"  {us:9.1f} us  x{n}  {name[:110]}", file=sys.stderr)
     del graph
     t = torch.tensor([median(times)], dtype=torch.float64, device=x.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -231,7 +237,7 @@ def rows_bound_ms(tokens, hidden, top_k, cf, world, copy_tbs) -> float:
     kept, wire, row = tokens * top_k, wire_row(hidden), 2 * hidden
     buf = world * cap * wire
     out = static_rows(cap, world, 1, 16) * row  # (one expert's padding; the rest is the same)
-    a2a = 2 * buf
+    a2a = 2 * buf if world > 1 else 0  # (a group of one rank exchanges nothing)
     dispatch_fwd = tokens * row + kept * wire + a2a + kept * wire + out
     dispatch_bwd = kept * row + buf + a2a + kept * wire + tokens * row
     combine_fwd = kept * row + buf + a2a + kept * wire + tokens * row
@@ -240,9 +246,9 @@ def rows_bound_ms(tokens, hidden, top_k, cf, world, copy_tbs) -> float:
     return total / (copy_tbs * 1e12) * 1e3
 
 
-def time_variant(layer, x, grad, variant, iters, warmup, cuda, cf) -> dict[str, float]:
+def time_variant(layer, x, grad, variant, iters, warmup, cuda, cf, profile) -> dict[str, float]:
     if VARIANTS[variant][4]:
-        return graph_ms(layer, x, grad, variant, iters, warmup, cf)
+        return graph_ms(layer, x, grad, variant, iters, warmup, cf, profile)
     per_phase = {p: [] for p in PHASES}
     clocks = []
     for i in range(warmup + iters):
@@ -265,7 +271,7 @@ def time_variant(layer, x, grad, variant, iters, warmup, cuda, cf) -> dict[str, 
     return dict(zip(PHASES, t.tolist(), strict=True))
 
 
-def bench_shape(text, variants, iters, warmup, device, cf, copy_tbs) -> list[dict]:
+def bench_shape(text, variants, iters, warmup, device, cf, copy_tbs, profile) -> list[dict]:
     tokens, hidden, top_k, experts, ffn = parse_shape(text)
     cuda = device.type == "cuda"
     layer = make_layer(hidden, ffn, experts, top_k, device)
@@ -284,16 +290,19 @@ def bench_shape(text, variants, iters, warmup, device, cf, copy_tbs) -> list[dic
         block = layer.fp8_weight_reuse() if reuse else contextlib.nullcontext()
         with block:  # (reuse: the weights are cast in this first, untimed step)
             out, gx = step(layer, x, grad, name, Clock(False), cf)
-            first = first or (out, gx.clone())
+            gx = gx.clone()  # (x.grad is written again below)
+            first = first or (out, gx)
             dropped = layer.dispatch_stats[0].item()
-            res = time_variant(layer, x, grad, name, iters, warmup, cuda, cf)
+            res = time_variant(layer, x, grad, name, iters, warmup, cuda, cf, profile)
         res |= {"shape": text, "variant": name, "path": kind, "exchange": exchange}
         res |= {"experts_gemm": experts, "fp8_weight_reuse": reuse, "graph": graph}
         res |= {"capacity_factor": cf if kind == "static" else None, "dropped_rows": dropped}
         if experts == "identity":
             world = dist.get_world_size()
             res["hbm_bound_ms"] = rows_bound_ms(tokens, hidden, top_k, cf, world, copy_tbs)
-        res |= {"sqnr_out_db": sqnr_db(first[0], out), "sqnr_grad_x_db": sqnr_db(first[1], gx)}
+        same_model = experts != "identity"
+        res |= {"sqnr_out_db": sqnr_db(first[0], out) if same_model else float("nan")}
+        res |= {"sqnr_grad_x_db": sqnr_db(first[1], gx) if same_model else float("nan")}
         rows.append(res)
     del layer
     if cuda:
@@ -327,6 +336,8 @@ def main() -> None:
     p.add_argument("--iters", type=int, help="timed iterations (default 20 GPU, 3 CPU)")
     p.add_argument("--warmup", type=int, help="untimed iterations first (default 5 GPU, 1 CPU)")
     p.add_argument("--capacity-factor", type=float, default=1.25, help="static variants")
+    p.add_argument("--profile", type=int, default=0, help="print the N longest kernels of "
+                   "each graph replay (rank 0 and others alike)")  # fmt: skip
     p.add_argument("--copy-tbs", type=float, default=4.21, help="device copy TB/s (H200)")
     p.add_argument("--json", help="write the results here (rank 0)")
     args = p.parse_args()
@@ -351,7 +362,7 @@ def main() -> None:
     results = []
     for text in shapes:
         results += bench_shape(text, variants, iters, warmup, device, args.capacity_factor,
-                               args.copy_tbs)  # fmt: skip
+                               args.copy_tbs, args.profile)  # fmt: skip
     if rank == 0:
         print(tabulate(table(results), headers=HEADERS, floatfmt=".3f"))
         write_json(

@@ -90,7 +90,10 @@ class StaticHandle:
 
 
 def _all_to_all(t: torch.Tensor, group) -> torch.Tensor:
-    """all_to_all_single with equal splits (t's rows divide by the group size)."""
+    """all_to_all_single with equal splits (t's rows divide by the group size); a group of
+    one rank exchanges nothing (t itself)."""
+    if dist.get_world_size(group) == 1:
+        return t
     if torch.compiler.is_compiling() and HAS_FUNCOL:
         out = funcol.all_to_all_single(t.contiguous(), None, None, group or dist.group.WORLD)
         return funcol.wait_tensor(out)
