@@ -104,13 +104,14 @@ def _all_to_all(t: torch.Tensor, group) -> torch.Tensor:
 
 def _rank_in_bucket(key: torch.Tensor, buckets: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(position of each element among the elements of its bucket, in index order; count of
-    each bucket) for key int64 [N] in [0, buckets)."""
-    counts = torch.zeros(buckets, dtype=torch.int64, device=key.device)
-    counts.scatter_add_(0, key, torch.ones_like(key))
-    order = torch.sort(key, stable=True).indices
-    start = counts.cumsum(0) - counts
-    rank_sorted = torch.arange(key.numel(), device=key.device) - start[key[order]]
-    return torch.empty_like(key).scatter_(0, order, rank_sorted), counts
+    each bucket) for key int64 [N] in [0, buckets). A stable sort of int32 keys (half the
+    radix passes of int64) and bucket bounds by binary search: no atomics, which would pile
+    up on a few buckets."""
+    sorted_keys, order = torch.sort(key.to(torch.int32), stable=True)
+    edges = torch.arange(buckets + 1, dtype=torch.int32, device=key.device)
+    bounds = torch.searchsorted(sorted_keys, edges)  # first element of each bucket
+    rank_sorted = torch.arange(key.numel(), device=key.device) - bounds[sorted_keys]
+    return torch.empty_like(key).scatter_(0, order, rank_sorted), bounds.diff()
 
 
 def send_plan(
@@ -163,9 +164,11 @@ def receive_plan(
     s = torch.arange(world, device=recv.device)[:, None]
     out = block[lc] + from_src[s, lc] + q - (in_src[s, lc] - recv[s, lc])
     out_row = torch.where(used, out, -1).reshape(-1)
-    src = torch.full((n_out + 1,), -1, dtype=torch.int64, device=recv.device)
-    src.scatter_(0, torch.where(out_row < 0, n_out, out_row), torch.arange(world * capacity,
-                 device=recv.device))  # fmt: skip
+    # unused receive rows land in slots of their own past n_out (stores to one shared slot
+    # would pile up on one address)
+    i = torch.arange(world * capacity, device=recv.device)
+    src = torch.full((n_out + world * capacity,), -1, dtype=torch.int64, device=recv.device)
+    src.scatter_(0, torch.where(out_row < 0, n_out + i, out_row), i)
     return src[:n_out], out_row, ends.to(torch.int32)
 
 
