@@ -111,3 +111,13 @@ def test_dequantize_reference_exact(out_dtype):
     want = vals * torch.exp2(scales.double() - 127).repeat_interleave(32, dim=1)
     want[(scales == 255).repeat_interleave(32, dim=1)] = float("nan")
     torch.testing.assert_close(out, want.to(out_dtype), rtol=0, atol=0, equal_nan=True)
+
+
+def test_imports_under_python_OO():
+    """python -OO strips docstrings; the package must not rely on them at import."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-OO", "-c", "import mxfp8_a2a"],
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr

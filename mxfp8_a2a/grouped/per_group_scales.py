@@ -386,5 +386,6 @@ def per_group_rowwise_scales(
     return _triton(x, offs, round_scales_to_power_of_2, 1, method, data_layout)
 
 
-per_group_colwise_scales.__doc__ += _DOC_COMMON
-per_group_rowwise_scales.__doc__ += _DOC_COMMON
+if __doc__ is not None:  # (python -OO strips docstrings)
+    per_group_colwise_scales.__doc__ += _DOC_COMMON
+    per_group_rowwise_scales.__doc__ += _DOC_COMMON
