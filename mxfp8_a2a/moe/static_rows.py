@@ -14,30 +14,28 @@ Indices are int64; -1 means "no row" (a dropped (token, slot) row, a padding row
 
 Decoded values are rounded to the output dtype before any arithmetic, and the sums run in
 fp32 over j in order with one rounding: exactly what dequantizing into rows and then
-``slot_sum`` / ``row_sums`` give. These are the plain-torch definitions; on CUDA (and on
-CPU under TRITON_INTERPRET=1) the kernels of static_kernels.py run instead, bit for bit the
-same, except that :func:`scatter_encode`'s rows that no token targets are left unwritten
-there (never read by the receiver).
+``slot_sum`` / ``row_sums`` give. The ``*_reference`` functions are the plain-torch
+definitions; for bf16 and fp32 rows on CUDA (and on CPU under TRITON_INTERPRET=1) the public
+functions run the kernels of static_kernels.py instead, bit for bit the same (grad_w: equal
+within fp32 rounding, summed in another order), except that :func:`scatter_encode`'s and
+:func:`slot_sum_decode_backward`'s rows that no (token, slot) targets are left unwritten
+there (never read by the receiver). Other dtypes take the references.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .._common import check_scaling_mode, eager_or_op, kernels_run_on
 from ..exchange.rows import wire_row
 from ..formats.dequantize import dequantize_reference
 from ..formats.packing import pack, packed_row_bytes, unpack
 from ..formats.quantize import quantize_reference
+from . import static_kernels as sk
 from .slot_sum import slot_sum_reference
+from .static_kernels import wire_shape
 
 WIRES = ("mxfp8", "bf16")
-
-
-def wire_shape(rows: int, hidden: int, dtype: torch.dtype, wire: str) -> tuple[tuple, torch.dtype]:
-    """(shape, dtype) of a wire buffer of ``rows`` rows of ``hidden`` values of ``dtype``."""
-    if wire == "mxfp8":
-        return (rows, wire_row(hidden)), torch.uint8
-    return (rows, hidden), dtype
 
 
 def encode(x: torch.Tensor, wire: str, scaling_mode: str = "rceil") -> torch.Tensor:
@@ -63,7 +61,7 @@ def _take(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return rows.masked_fill((index < 0)[:, None], 0)
 
 
-def scatter_encode(
+def scatter_encode_reference(
     x: torch.Tensor, rows_of: torch.Tensor, n_rows: int, wire: str, scaling_mode: str = "rceil"
 ) -> torch.Tensor:
     """x [T, H], rows_of int64 [T, k] (slot of each copy, -1: none; distinct otherwise) ->
@@ -77,7 +75,7 @@ def scatter_encode(
     return buf[:n_rows]
 
 
-def gather_encode(
+def gather_encode_reference(
     y: torch.Tensor, index: torch.Tensor, wire: str, scaling_mode: str = "rceil"
 ) -> torch.Tensor:
     """y [N, H], index int64 [R] -> wire buffer [R]: row i = encode(y[index[i]]), zeros for
@@ -85,7 +83,7 @@ def gather_encode(
     return encode(_take(y, index), wire, scaling_mode)
 
 
-def gather_decode(
+def gather_decode_reference(
     buf: torch.Tensor, index: torch.Tensor, hidden: int, dtype: torch.dtype, wire: str
 ) -> torch.Tensor:
     """buf: a wire buffer; index int64 [N] -> [N, hidden] in ``dtype``: decode(buf[index[i]]),
@@ -94,10 +92,10 @@ def gather_decode(
 
 
 def _slot_rows(buf, rows_of, hidden, dtype, wire) -> torch.Tensor:
-    return gather_decode(buf, rows_of.reshape(-1), hidden, dtype, wire)
+    return gather_decode_reference(buf, rows_of.reshape(-1), hidden, dtype, wire)
 
 
-def slot_sum_decode(
+def slot_sum_decode_reference(
     buf: torch.Tensor,
     rows_of: torch.Tensor,
     weights: torch.Tensor | None,
@@ -116,7 +114,7 @@ def slot_sum_decode(
     return slot_sum_reference(rows, pos, w.masked_fill(rows_of < 0, 0))
 
 
-def slot_sum_decode_backward(
+def slot_sum_decode_backward_reference(
     grad: torch.Tensor,
     buf: torch.Tensor,
     rows_of: torch.Tensor,
@@ -136,5 +134,129 @@ def slot_sum_decode_backward(
     w = weights.to(grad.dtype).float()
     grad_rows = (w[:, :, None] * g[:, None, :]).to(grad.dtype).view(t * k, h)
     grad_w = (rows * g[:, None, :]).sum(-1).masked_fill(rows_of < 0, 0)
-    out = scatter_encode(grad_rows, rows_of.reshape(-1, 1), n_rows, wire, scaling_mode)
+    out = scatter_encode_reference(grad_rows, rows_of.reshape(-1, 1), n_rows, wire, scaling_mode)
     return out, grad_w
+
+
+# ---------------------------------------------------------------------------- public
+# The kernels take what they can (anything else goes to the references, which raise on what
+# they cannot take either): bf16/fp32 rows, H % 32 == 0 for "mxfp8", int64 indices and
+# floating weights of the right shapes on the rows' device.
+
+
+def _kernels(device: torch.device, dtype: torch.dtype, wire: str, hidden: int, *idx) -> bool:
+    return (
+        dtype in sk.DTYPES
+        and wire in WIRES
+        and (wire == "bf16" or hidden % 32 == 0)
+        and all(i.dtype == torch.int64 and i.device == device for i in idx)
+        and kernels_run_on(device, sk._gather_decode_kernel)
+    )
+
+
+def _decodes(buf: torch.Tensor, dtype: torch.dtype, wire: str, hidden: int, *idx) -> bool:
+    """_kernels, for a wire buffer of ``hidden`` values of ``dtype`` per row."""
+    if buf.dim() != 2 or not _kernels(buf.device, dtype, wire, hidden, *idx):
+        return False
+    if wire == "bf16":
+        return buf.dtype == dtype and buf.shape[1] == hidden
+    return buf.dtype == torch.uint8 and buf.shape[1] >= hidden + hidden // 32
+
+
+def _weights_fit(weights: torch.Tensor | None, rows_of: torch.Tensor) -> bool:
+    return weights is None or (
+        weights.dtype.is_floating_point
+        and weights.shape == rows_of.shape
+        and weights.device == rows_of.device
+    )
+
+
+def scatter_encode(
+    x: torch.Tensor, rows_of: torch.Tensor, n_rows: int, wire: str, scaling_mode: str = "rceil"
+) -> torch.Tensor:
+    """x [T, H], rows_of int64 [T, k] (slot of each copy, -1: none; distinct otherwise) ->
+    a wire buffer of n_rows rows holding encode(x[t]) at every rows_of[t, j]; the other rows
+    are zero in the reference, unwritten by the kernel (never read)."""
+    check_scaling_mode(scaling_mode)
+    if (
+        x.dim() == rows_of.dim() == 2
+        and rows_of.shape[0] == x.shape[0]
+        and _kernels(x.device, x.dtype, wire, x.shape[1], rows_of)
+    ):
+        op = eager_or_op(sk.scatter_encode_op, sk.scatter_encode, x)
+        return op(x, rows_of, n_rows, wire, scaling_mode)
+    return scatter_encode_reference(x, rows_of, n_rows, wire, scaling_mode)
+
+
+def gather_encode(
+    y: torch.Tensor, index: torch.Tensor, wire: str, scaling_mode: str = "rceil"
+) -> torch.Tensor:
+    """y [N, H], index int64 [R] -> wire buffer [R]: row i = encode(y[index[i]]), zeros for
+    -1 (for "mxfp8" all zero bytes)."""
+    check_scaling_mode(scaling_mode)
+    if y.dim() == 2 and index.dim() == 1 and _kernels(y.device, y.dtype, wire, y.shape[1], index):
+        return eager_or_op(sk.gather_encode_op, sk.gather_encode, y)(y, index, wire, scaling_mode)
+    return gather_encode_reference(y, index, wire, scaling_mode)
+
+
+def gather_decode(
+    buf: torch.Tensor, index: torch.Tensor, hidden: int, dtype: torch.dtype, wire: str
+) -> torch.Tensor:
+    """buf: a wire buffer; index int64 [N] -> [N, hidden] in ``dtype``: decode(buf[index[i]]),
+    zeros for -1."""
+    if index.dim() == 1 and _decodes(buf, dtype, wire, hidden, index):
+        return eager_or_op(sk.gather_decode_op, sk.gather_decode, buf)(
+            buf, index, hidden, dtype, wire
+        )
+    return gather_decode_reference(buf, index, hidden, dtype, wire)
+
+
+def slot_sum_decode(
+    buf: torch.Tensor,
+    rows_of: torch.Tensor,
+    weights: torch.Tensor | None,
+    hidden: int,
+    dtype: torch.dtype,
+    wire: str,
+) -> torch.Tensor:
+    """out[t] = sum_j weights[t, j] * decode(buf[rows_of[t, j]]) over the j with
+    rows_of[t, j] >= 0 (weights None: all 1), [T, hidden] in ``dtype``; weights rounded to
+    ``dtype`` first, fp32 sums over j in order, one rounding. A slot without a row adds
+    nothing, whatever its weight (also NaN)."""
+    if (
+        rows_of.dim() == 2
+        and _weights_fit(weights, rows_of)
+        and _decodes(buf, dtype, wire, hidden, rows_of)
+    ):
+        op = eager_or_op(sk.slot_sum_decode_op, sk.slot_sum_decode, buf)
+        return op(buf, rows_of, weights, hidden, dtype, wire)
+    return slot_sum_decode_reference(buf, rows_of, weights, hidden, dtype, wire)
+
+
+def slot_sum_decode_backward(
+    grad: torch.Tensor,
+    buf: torch.Tensor,
+    rows_of: torch.Tensor,
+    weights: torch.Tensor,
+    n_rows: int,
+    wire: str,
+    scaling_mode: str = "rceil",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of :func:`slot_sum_decode` for grad [T, H]: (a wire buffer of n_rows rows
+    holding encode(w[t, j] * grad[t]) at rows_of[t, j] (the product rounded to grad's dtype,
+    weights rounded to it first; other rows zero in the reference, unwritten by the kernel),
+    fp32 [T, k] grad of the weights: the fp32 dot product of grad[t] and
+    decode(buf[rows_of[t, j]]), 0 where rows_of is -1)."""
+    check_scaling_mode(scaling_mode)
+    if (
+        grad.dim() == rows_of.dim() == 2
+        and rows_of.shape[0] == grad.shape[0]
+        and grad.device == buf.device
+        and _weights_fit(weights, rows_of)
+        and _decodes(buf, grad.dtype, wire, grad.shape[1], rows_of)
+    ):
+        op = eager_or_op(sk.slot_sum_decode_backward_op, sk.slot_sum_decode_backward, grad)
+        return op(grad, buf, rows_of, weights, n_rows, wire, scaling_mode)
+    return slot_sum_decode_backward_reference(
+        grad, buf, rows_of, weights, n_rows, wire, scaling_mode
+    )

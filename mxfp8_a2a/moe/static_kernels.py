@@ -1,0 +1,421 @@
+"""Triton kernels of the static dispatch/combine's row movement (static_rows.py): rows
+encoded for the wire straight into their slots, and decoded straight into their place.
+
+Each kernel moves its bytes once: a source row is read once per output row it feeds (a
+token's row once for its k slots, quantized once), every output byte is written once. A
+program takes BLOCK_T rows x BLOCK_H columns as lanes of W columns: W = 32 for the "mxfp8"
+wire (one MXFP8 block and its scale byte per lane), one lane per row for the "bf16" wire
+(rows in their own dtype). Indices and addresses are int64 (a buffer may pass 2**31
+bytes); -1 means no row.
+
+Numbers: the references of static_rows.py bit for bit (MXFP8 through formats/bits.py;
+decoded values and weights rounded to the working dtype first; sums over j in order in
+fp32, one rounding, compiled with enable_fp_fusion=False: for fp32 rows an FMA would round
+once where the reference rounds twice), except grad_w, which sums the hidden axis in
+slot_sum's backward's tiles and order (equal to the reference within fp32 rounding).
+
+Layers: kernels -> launchers (allocation, tiles, grid) -> custom ops ``mxfp8_a2a::static_*``
+with register_fake for torch.compile (no autograd: static_dispatch.py's Functions call them
+in forward and backward). static_rows.py calls a launcher eagerly, or its op under a tracer.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .. import _config
+from .._common import cdiv, check_e4m3_gpu, hw_e8m0, next_pow2
+from ..exchange.rows import wire_row
+from ..formats.bits import (
+    fp32_to_bf16,
+    mx_dequantize_blocks,
+    mx_quantize_blocks,
+    store_float,
+    to_fp32,
+)
+from ..formats.launch import launch
+from .slot_sum import _grid_sizes as _slot_sum_tiles
+
+DTYPES = (torch.bfloat16, torch.float32)  # the rows the kernels take
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # read as they are (exact)
+
+
+def wire_shape(rows: int, hidden: int, dtype: torch.dtype, wire: str) -> tuple[tuple, torch.dtype]:
+    """(shape, dtype) of a wire buffer of ``rows`` rows of ``hidden`` values of ``dtype``."""
+    if wire == "mxfp8":
+        return (rows, wire_row(hidden)), torch.uint8
+    return (rows, hidden), dtype
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+@triton.jit
+def _lanes(first, h0, n_rows, hidden, BLOCK_T: tl.constexpr, NB: tl.constexpr, W: tl.constexpr):
+    """The lanes of rows [first, first + BLOCK_T) x columns [h0, h0 + NB * W): row (int64
+    [L], L = BLOCK_T * NB), first column c0 [L], columns [L, W], lane mask [L] (row and c0
+    in range) and element mask [L, W]."""
+    lane = tl.arange(0, BLOCK_T * NB)
+    row = first + lane // NB
+    c0 = h0 + (lane % NB) * W
+    cols = c0[:, None] + tl.arange(0, W)[None, :]
+    lmask = (row < n_rows) & (c0 < hidden)
+    return row, c0, cols, lmask, lmask[:, None] & (cols < hidden)
+
+
+@triton.jit
+def _rounded(y, BF16: tl.constexpr, SOFT: tl.constexpr):
+    """fp32 ``y`` rounded to the working dtype (bf16 if BF16, else fp32), as fp32."""
+    if BF16:
+        return to_fp32(fp32_to_bf16(y, SOFT), SOFT)
+    else:
+        return y
+
+
+@triton.jit
+def _weight(w_ptr, i, mask, BF16: tl.constexpr, SOFT: tl.constexpr):
+    """Weights (fp32/bf16/fp16) at ``i``, rounded to the working dtype, as fp32; 0 masked."""
+    return _rounded(to_fp32(tl.load(w_ptr + i, mask=mask, other=0.0), SOFT), BF16, SOFT)
+
+
+@triton.jit
+def _load_wire(buf_ptr, row, c0, cols, mask, hidden, row_stride, MX: tl.constexpr,
+               BF16: tl.constexpr, SOFT: tl.constexpr):  # fmt: skip
+    """Lanes of wire rows ``row`` (int64 [L], -1: none -> zeros): MX the decoded values
+    rounded to the working dtype, as fp32 (what decoding into rows gives), else the raw
+    values."""
+    ok = row >= 0
+    at = buf_ptr + row * row_stride
+    if MX:
+        u = tl.load(at[:, None] + cols, mask=mask & ok[:, None], other=0)
+        b = tl.load(at + hidden + c0 // 32, mask=ok, other=0).to(tl.int32)
+        return _rounded(mx_dequantize_blocks(u, b, SOFT), BF16, SOFT)
+    else:
+        return tl.load(at[:, None] + cols, mask=mask & ok[:, None], other=0.0)
+
+
+@triton.jit
+def _quantize(x, RCEIL: tl.constexpr, HW_E8M0: tl.constexpr, SOFT: tl.constexpr):
+    """Lanes of 32 values -> (e4m3 bits uint8 [L, 32], scale bytes uint8 [L])."""
+    q, b = mx_quantize_blocks(to_fp32(x, SOFT), RCEIL, HW_E8M0, SOFT)
+    return q, b.to(tl.uint8)
+
+
+@triton.jit
+def _store_wire(buf_ptr, row, c0, cols, mask, v, s, hidden, row_stride, MX: tl.constexpr):
+    """Store lanes at wire rows ``row`` (int64 [L], -1: none): values ``v`` [L, W] (MX:
+    e4m3 bits, ``s`` the scale bytes [L]; the lanes at column 0 zero their row's pad, the
+    row_stride - 33 * hidden / 32 bytes past the scales)."""
+    ok = row >= 0
+    at = buf_ptr + row * row_stride
+    tl.store(at[:, None] + cols, v, mask=mask & ok[:, None])
+    if MX:
+        tl.store(at + hidden + c0 // 32, s, mask=ok)
+        p = tl.arange(0, 16)
+        pad = at + hidden + hidden // 32
+        pmask = (ok & (c0 == 0))[:, None] & (p < row_stride - hidden - hidden // 32)[None, :]
+        tl.store(pad[:, None] + p[None, :], tl.zeros([16], dtype=tl.uint8)[None, :], mask=pmask)
+
+
+# ---------------------------------------------------------------------------- kernels
+# Program (i, c) of the one-pass kernels: rows [i * BLOCK_T, ...), columns [c * NB * W, ...).
+
+
+@triton.jit
+def _scatter_encode_kernel(
+    x_ptr, rows_of_ptr, buf_ptr, n_tokens, hidden, stride_x, row_stride,
+    K: tl.constexpr, MX: tl.constexpr, RCEIL: tl.constexpr, HW_E8M0: tl.constexpr,
+    SOFT: tl.constexpr, BLOCK_T: tl.constexpr, NB: tl.constexpr, W: tl.constexpr,
+):  # fmt: skip
+    """x [n_tokens, hidden] (row stride stride_x) -> buf[rows_of[t, j]] = encode(x[t]) for
+    rows_of int64 [n_tokens, K]; each tile read and encoded once, stored K times."""
+    first = tl.program_id(0).to(tl.int64) * BLOCK_T
+    h0 = tl.program_id(1) * (NB * W)
+    t, c0, cols, lmask, mask = _lanes(first, h0, n_tokens, hidden, BLOCK_T, NB, W)
+    x = tl.load(x_ptr + t[:, None] * stride_x + cols, mask=mask, other=0.0)
+    if MX:
+        v, s = _quantize(x, RCEIL, HW_E8M0, SOFT)
+    else:
+        v, s = x, c0
+    for j in tl.static_range(K):
+        row = tl.load(rows_of_ptr + t * K + j, mask=lmask, other=-1)
+        _store_wire(buf_ptr, row, c0, cols, mask, v, s, hidden, row_stride, MX)
+
+
+@triton.jit
+def _gather_encode_kernel(
+    y_ptr, index_ptr, buf_ptr, n_out, hidden, stride_y, row_stride,
+    MX: tl.constexpr, RCEIL: tl.constexpr, HW_E8M0: tl.constexpr, SOFT: tl.constexpr,
+    BLOCK_T: tl.constexpr, NB: tl.constexpr, W: tl.constexpr,
+):  # fmt: skip
+    """buf[i] = encode(y[index[i]]) (zeros where index[i] = -1) for i < n_out."""
+    first = tl.program_id(0).to(tl.int64) * BLOCK_T
+    h0 = tl.program_id(1) * (NB * W)
+    i, c0, cols, lmask, mask = _lanes(first, h0, n_out, hidden, BLOCK_T, NB, W)
+    src = tl.load(index_ptr + i, mask=lmask, other=-1)
+    x = tl.load(y_ptr + src[:, None] * stride_y + cols, mask=mask & (src >= 0)[:, None], other=0.0)
+    if MX:
+        v, s = _quantize(x, RCEIL, HW_E8M0, SOFT)
+    else:
+        v, s = x, c0
+    row = tl.where(lmask, i, -1)
+    _store_wire(buf_ptr, row, c0, cols, mask, v, s, hidden, row_stride, MX)
+
+
+@triton.jit
+def _gather_decode_kernel(
+    buf_ptr, index_ptr, out_ptr, n_out, hidden, row_stride,
+    MX: tl.constexpr, BF16: tl.constexpr, SOFT: tl.constexpr, BLOCK_T: tl.constexpr,
+    NB: tl.constexpr, W: tl.constexpr,
+):  # fmt: skip
+    """out [n_out, hidden] (bf16/fp32): out[i] = decode(buf[index[i]]), zeros for -1."""
+    first = tl.program_id(0).to(tl.int64) * BLOCK_T
+    h0 = tl.program_id(1) * (NB * W)
+    i, c0, cols, lmask, mask = _lanes(first, h0, n_out, hidden, BLOCK_T, NB, W)
+    src = tl.load(index_ptr + i, mask=lmask, other=-1)
+    v = _load_wire(buf_ptr, src, c0, cols, mask, hidden, row_stride, MX, BF16, SOFT)
+    at = out_ptr + i[:, None] * hidden + cols
+    if MX:
+        store_float(at, v, mask, SOFT)
+    else:
+        tl.store(at, v, mask=mask)
+
+
+@triton.jit
+def _slot_sum_decode_kernel(
+    buf_ptr, rows_of_ptr, w_ptr, out_ptr, n_tokens, hidden, row_stride,
+    K: tl.constexpr, UNIT: tl.constexpr, MX: tl.constexpr, BF16: tl.constexpr,
+    SOFT: tl.constexpr, BLOCK_T: tl.constexpr, NB: tl.constexpr, W: tl.constexpr,
+):  # fmt: skip
+    """out [n_tokens, hidden] = sum_j w[t, j] * decode(buf[rows_of[t, j]]) over the slots
+    that hold a row (UNIT: w all 1), as slot_sum's forward kernel."""
+    first = tl.program_id(0).to(tl.int64) * BLOCK_T
+    h0 = tl.program_id(1) * (NB * W)
+    t, c0, cols, lmask, mask = _lanes(first, h0, n_tokens, hidden, BLOCK_T, NB, W)
+    acc = tl.zeros([BLOCK_T * NB, W], dtype=tl.float32)
+    for j in tl.static_range(K):
+        row = tl.load(rows_of_ptr + t * K + j, mask=lmask, other=-1)
+        raw = _load_wire(buf_ptr, row, c0, cols, mask, hidden, row_stride, MX, BF16, SOFT)
+        r = to_fp32(raw, SOFT)
+        if UNIT:
+            acc += r
+        else:
+            acc += _weight(w_ptr, t * K + j, row >= 0, BF16, SOFT)[:, None] * r
+    store_float(out_ptr + t[:, None] * hidden + cols, acc, mask, SOFT)
+
+
+@triton.jit
+def _slot_sum_decode_backward_kernel(
+    grad_ptr, buf_ptr, rows_of_ptr, w_ptr, out_ptr, grad_w_ptr, n_tokens, hidden,
+    row_stride, out_stride,
+    K: tl.constexpr, KP: tl.constexpr, MX: tl.constexpr, RCEIL: tl.constexpr,
+    HW_E8M0: tl.constexpr, BF16: tl.constexpr, SOFT: tl.constexpr, BLOCK_T: tl.constexpr,
+    NB: tl.constexpr, W: tl.constexpr,
+):  # fmt: skip
+    """grad [n_tokens, hidden] -> out[rows_of[t, j]] = encode(w[t, j] * grad[t]) (product
+    rounded to the working dtype), grad_w fp32 [n_tokens, K] = <grad[t], decode(buf[rows_of[t,
+    j]])>, 0 for -1. Program i: tokens [i * BLOCK_T, ...), the hidden axis in tiles of NB * W
+    (slot_sum's backward's tiling), each tile of grad read once for the K slots."""
+    first = tl.program_id(0).to(tl.int64) * BLOCK_T
+    slot = tl.arange(0, KP)
+    dots = tl.zeros([BLOCK_T, KP], dtype=tl.float32)
+    for h0 in range(0, hidden, NB * W):
+        t, c0, cols, lmask, mask = _lanes(first, h0, n_tokens, hidden, BLOCK_T, NB, W)
+        g = to_fp32(tl.load(grad_ptr + t[:, None] * hidden + cols, mask=mask, other=0.0), SOFT)
+        for j in tl.static_range(K):
+            row = tl.load(rows_of_ptr + t * K + j, mask=lmask, other=-1)
+            raw = _load_wire(buf_ptr, row, c0, cols, mask, hidden, row_stride, MX, BF16, SOFT)
+            r = to_fp32(raw, SOFT)
+            part = tl.sum(tl.reshape(g * r, (BLOCK_T, NB * W)), axis=1)
+            dots += tl.where(slot[None, :] == j, part[:, None], 0.0)
+            gr = _rounded(_weight(w_ptr, t * K + j, lmask, BF16, SOFT)[:, None] * g, BF16, SOFT)
+            if MX:
+                v, s = _quantize(gr, RCEIL, HW_E8M0, SOFT)
+            elif BF16:
+                v, s = fp32_to_bf16(gr, SOFT), c0
+            else:
+                v, s = gr, c0
+            _store_wire(out_ptr, row, c0, cols, mask, v, s, hidden, out_stride, MX)
+    tt = first + tl.arange(0, BLOCK_T)
+    at = tt[:, None] * K + slot[None, :]
+    wmask = (tt < n_tokens)[:, None] & (slot < K)[None, :]
+    held = tl.load(rows_of_ptr + at, mask=wmask, other=-1) >= 0
+    tl.store(grad_w_ptr + at, tl.where(held, dots, 0.0), mask=wmask)
+
+
+# ---------------------------------------------------------------------------- launchers
+# Tensors in, new tensors out (checked by static_rows.py); no launch for empty inputs.
+
+
+def _tile(hidden: int, rows: int, mx: bool, soft: bool) -> tuple[int, int, int]:
+    """(BLOCK_T, NB, W) of the one-pass kernels: BLOCK_H, the widest power of two up to the
+    cap that pads the row by at most 1/8 (not below 32), and rows up to the tile's size."""
+    if soft:
+        elems, cap = _config.INTERPRET_STATIC_ROWS_TILE, _config.INTERPRET_STATIC_ROWS_BLOCK_H
+    else:
+        elems, cap = _config.STATIC_ROWS_TILE, _config.STATIC_ROWS_BLOCK_H
+    bh = min(next_pow2(hidden), cap)
+    while bh > 32 and cdiv(hidden, bh) * bh - hidden > hidden // 8:
+        bh //= 2
+    bt = min(max(elems // bh, 1), next_pow2(rows))
+    return (bt, bh // 32, 32) if mx else (bt, 1, bh)
+
+
+def _unit_cols(t: Tensor) -> Tensor:
+    """t [R, C] with unit column stride (the kernels take any row stride)."""
+    return t if t.stride(1) == 1 else t.contiguous()
+
+
+def _consts(wire: str, device: torch.device, scaling_mode: str | None = None) -> dict:
+    """MX (and with a scaling mode RCEIL, HW_E8M0), the kernels' first wire constants."""
+    if wire == "mxfp8":
+        check_e4m3_gpu(device)
+    out = dict(MX=wire == "mxfp8")
+    if scaling_mode is not None:
+        out.update(RCEIL=scaling_mode == "rceil", HW_E8M0=hw_e8m0(device))
+    return out
+
+
+def _launch(kernel, rows: int, hidden: int, args: tuple, consts: dict, wire: str) -> None:
+    """A one-pass kernel over tiles of rows x columns (_tile)."""
+    soft = args[0].device.type == "cpu"
+    bt, nb, w = _tile(hidden, rows, wire == "mxfp8", soft)
+    consts.update(SOFT=soft, BLOCK_T=bt, NB=nb, W=w)
+    grid = (cdiv(rows, bt), cdiv(hidden, nb * w))
+    launch(kernel, grid, args, consts, _config.STATIC_ROWS_NUM_WARPS, enable_fp_fusion=False)
+
+
+def scatter_encode(x: Tensor, rows_of: Tensor, n_rows: int, wire: str, scaling_mode: str) -> Tensor:
+    """x bf16/fp32 [T, H], rows_of int64 [T, k] (values < n_rows) -> wire buffer [n_rows]
+    with encode(x[t]) at every rows_of[t, j] >= 0; rows no token targets left unwritten."""
+    (t, h), k = x.shape, rows_of.shape[1]
+    shape, dtype = wire_shape(n_rows, h, x.dtype, wire)
+    buf = torch.empty(shape, dtype=dtype, device=x.device)
+    if min(t, k, n_rows, h) > 0:
+        x = _unit_cols(x)
+        args = (x, rows_of.contiguous(), buf, t, h, x.stride(0), buf.stride(0))
+        consts = dict(K=k, **_consts(wire, x.device, scaling_mode))
+        _launch(_scatter_encode_kernel, t, h, args, consts, wire)
+    return buf
+
+
+def gather_encode(y: Tensor, index: Tensor, wire: str, scaling_mode: str) -> Tensor:
+    """y bf16/fp32 [N, H], index int64 [R] -> wire buffer [R]: encode(y[index[i]]), zero rows
+    (all zero bytes for "mxfp8") where index[i] = -1."""
+    (n, h), r = y.shape, index.numel()
+    shape, dtype = wire_shape(r, h, y.dtype, wire)
+    if min(n, r, h) == 0:  # (without rows to read, every index is -1)
+        return torch.zeros(shape, dtype=dtype, device=y.device)
+    buf, y = torch.empty(shape, dtype=dtype, device=y.device), _unit_cols(y)
+    args = (y, index.contiguous(), buf, r, h, y.stride(0), buf.stride(0))
+    _launch(_gather_encode_kernel, r, h, args, _consts(wire, y.device, scaling_mode), wire)
+    return buf
+
+
+def gather_decode(buf: Tensor, index: Tensor, hidden: int, dtype: torch.dtype, wire: str) -> Tensor:
+    """buf: wire rows ("bf16": of ``dtype``); index int64 [N] -> [N, hidden] of ``dtype``
+    (bf16/fp32): decode(buf[index[i]]), zeros where index[i] = -1."""
+    n = index.numel()
+    if min(buf.shape[0], n, hidden) == 0:
+        return torch.zeros((n, hidden), dtype=dtype, device=buf.device)
+    out, buf = torch.empty((n, hidden), dtype=dtype, device=buf.device), _unit_cols(buf)
+    args = (buf, index.contiguous(), out, n, hidden, buf.stride(0))
+    consts = dict(**_consts(wire, buf.device), BF16=dtype == torch.bfloat16)
+    _launch(_gather_decode_kernel, n, hidden, args, consts, wire)
+    return out
+
+
+def _weights(weights: Tensor, dtype: torch.dtype) -> Tensor:
+    """Weights the kernels read as they are (others rounded to ``dtype`` here, once)."""
+    return (weights if weights.dtype in WEIGHT_DTYPES else weights.to(dtype)).contiguous()
+
+
+def slot_sum_decode(
+    buf: Tensor, rows_of: Tensor, weights: Tensor | None, hidden: int, dtype: torch.dtype,
+    wire: str,
+) -> Tensor:  # fmt: skip
+    """buf: wire rows; rows_of int64 [T, k]; weights floating [T, k] or None (all 1) ->
+    [T, hidden] of ``dtype`` (bf16/fp32): sum_j w[t, j] * decode(buf[rows_of[t, j]]) over
+    the slots that hold a row."""
+    t, k = rows_of.shape
+    if min(t, k, hidden, buf.shape[0]) == 0:  # (without rows, every slot is -1)
+        return torch.zeros((t, hidden), dtype=dtype, device=buf.device)
+    out = torch.empty((t, hidden), dtype=dtype, device=buf.device)
+    buf, rows_of = _unit_cols(buf), rows_of.contiguous()
+    w = rows_of if weights is None else _weights(weights, dtype)
+    consts = dict(K=k, UNIT=weights is None, **_consts(wire, buf.device))
+    consts["BF16"] = dtype == torch.bfloat16
+    args = (buf, rows_of, w, out, t, hidden, buf.stride(0))
+    _launch(_slot_sum_decode_kernel, t, hidden, args, consts, wire)
+    return out
+
+
+def slot_sum_decode_backward(
+    grad: Tensor, buf: Tensor, rows_of: Tensor, weights: Tensor, n_rows: int, wire: str,
+    scaling_mode: str,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """grad bf16/fp32 [T, H], buf (the forward's wire rows), rows_of int64 [T, k] (values
+    < n_rows), weights floating [T, k] -> (wire buffer [n_rows] with encode(w[t, j] *
+    grad[t]) at rows_of[t, j], others unwritten; grad_w fp32 [T, k], 0 where rows_of is -1)."""
+    (t, h), k = grad.shape, rows_of.shape[1]
+    shape, dtype = wire_shape(n_rows, h, grad.dtype, wire)
+    out = torch.empty(shape, dtype=dtype, device=grad.device)
+    if min(t, k, h, n_rows, buf.shape[0]) == 0:  # (without rows, every slot is -1)
+        return out, torch.zeros((t, k), dtype=torch.float32, device=grad.device)
+    grad_w = torch.empty((t, k), dtype=torch.float32, device=grad.device)
+    soft = grad.device.type == "cpu"
+    bt, bh = _slot_sum_tiles(h, soft)  # slot_sum's backward's tiles: its grad_w bits
+    nb, w = (bh // 32, 32) if wire == "mxfp8" else (1, bh)
+    buf = _unit_cols(buf)
+    args = (grad.contiguous(), buf, rows_of.contiguous(), _weights(weights, grad.dtype), out,
+            grad_w, t, h, buf.stride(0), out.stride(0))  # fmt: skip
+    consts = dict(K=k, KP=max(2, next_pow2(k)), **_consts(wire, grad.device, scaling_mode))
+    consts.update(BF16=grad.dtype == torch.bfloat16, SOFT=soft, BLOCK_T=bt, NB=nb, W=w)
+    launch(_slot_sum_decode_backward_kernel, cdiv(t, bt), args, consts,
+           _config.SLOT_SUM_NUM_WARPS, enable_fp_fusion=False)  # fmt: skip
+    return out, grad_w
+
+
+# ---------------------------------------------------------------------------- custom ops
+
+
+def _op(name: str, fn):
+    return torch.library.custom_op(f"mxfp8_a2a::static_{name}", fn, mutates_args=())
+
+
+scatter_encode_op = _op("scatter_encode", scatter_encode)
+gather_encode_op = _op("gather_encode", gather_encode)
+gather_decode_op = _op("gather_decode", gather_decode)
+slot_sum_decode_op = _op("slot_sum_decode", slot_sum_decode)
+slot_sum_decode_backward_op = _op("slot_sum_decode_backward", slot_sum_decode_backward)
+
+
+@scatter_encode_op.register_fake
+def _(x, rows_of, n_rows, wire, scaling_mode):
+    shape, dtype = wire_shape(n_rows, x.shape[1], x.dtype, wire)
+    return x.new_empty(shape, dtype=dtype)
+
+
+@gather_encode_op.register_fake
+def _(y, index, wire, scaling_mode):
+    shape, dtype = wire_shape(index.shape[0], y.shape[1], y.dtype, wire)
+    return y.new_empty(shape, dtype=dtype)
+
+
+@gather_decode_op.register_fake
+def _(buf, index, hidden, dtype, wire):
+    return buf.new_empty((index.shape[0], hidden), dtype=dtype)
+
+
+@slot_sum_decode_op.register_fake
+def _(buf, rows_of, weights, hidden, dtype, wire):
+    return buf.new_empty((rows_of.shape[0], hidden), dtype=dtype)
+
+
+@slot_sum_decode_backward_op.register_fake
+def _(grad, buf, rows_of, weights, n_rows, wire, scaling_mode):
+    shape, dtype = wire_shape(n_rows, grad.shape[1], grad.dtype, wire)
+    return grad.new_empty(shape, dtype=dtype), grad.new_empty(rows_of.shape, dtype=torch.float32)
