@@ -11,8 +11,9 @@ bytes); -1 means no row.
 Numbers: the references of static_rows.py bit for bit (MXFP8 through formats/bits.py;
 decoded values and weights rounded to the working dtype first; sums over j in order in
 fp32, one rounding, compiled with enable_fp_fusion=False: for fp32 rows an FMA would round
-once where the reference rounds twice), except grad_w, which sums the hidden axis in
-slot_sum's backward's tiles and order (equal to the reference within fp32 rounding).
+once where the reference rounds twice), except grad_w, which sums the hidden axis per
+column block in the kernel and over the blocks in torch (equal to the reference within fp32
+rounding, the same bits in every run).
 
 Layers: kernels -> launchers (allocation, tiles, grid) -> custom ops ``mxfp8_a2a::static_*``
 with register_fake for torch.compile (no autograd: static_dispatch.py's Functions call them
@@ -37,7 +38,6 @@ from ..formats.bits import (
     to_fp32,
 )
 from ..formats.launch import launch
-from .slot_sum import _grid_sizes as _slot_sum_tiles
 
 DTYPES = (torch.bfloat16, torch.float32)  # the rows the kernels take
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # read as they are (exact)
@@ -209,41 +209,34 @@ def _slot_sum_decode_kernel(
 
 @triton.jit
 def _slot_sum_decode_backward_kernel(
-    grad_ptr, buf_ptr, rows_of_ptr, w_ptr, out_ptr, grad_w_ptr, n_tokens, hidden,
-    row_stride, out_stride,
-    K: tl.constexpr, KP: tl.constexpr, MX: tl.constexpr, RCEIL: tl.constexpr,
-    HW_E8M0: tl.constexpr, BF16: tl.constexpr, SOFT: tl.constexpr, BLOCK_T: tl.constexpr,
-    NB: tl.constexpr, W: tl.constexpr,
+    grad_ptr, buf_ptr, rows_of_ptr, w_ptr, out_ptr, part_ptr, n_tokens, hidden, row_stride,
+    out_stride, n_cb,
+    K: tl.constexpr, MX: tl.constexpr, RCEIL: tl.constexpr, HW_E8M0: tl.constexpr,
+    BF16: tl.constexpr, SOFT: tl.constexpr, BLOCK_T: tl.constexpr, NB: tl.constexpr,
+    W: tl.constexpr,
 ):  # fmt: skip
     """grad [n_tokens, hidden] -> out[rows_of[t, j]] = encode(w[t, j] * grad[t]) (product
-    rounded to the working dtype), grad_w fp32 [n_tokens, K] = <grad[t], decode(buf[rows_of[t,
-    j]])>, 0 for -1. Program i: tokens [i * BLOCK_T, ...), the hidden axis in tiles of NB * W
-    (slot_sum's backward's tiling), each tile of grad read once for the K slots."""
+    rounded to the working dtype) and part fp32 [n_tokens, K, n_cb]: the dot product of
+    grad[t] and decode(buf[rows_of[t, j]]) over column block c (program (i, c)), summed over
+    the blocks by the launcher. Each tile of grad read once for the K slots."""
     first = tl.program_id(0).to(tl.int64) * BLOCK_T
-    slot = tl.arange(0, KP)
-    dots = tl.zeros([BLOCK_T, KP], dtype=tl.float32)
-    for h0 in range(0, hidden, NB * W):
-        t, c0, cols, lmask, mask = _lanes(first, h0, n_tokens, hidden, BLOCK_T, NB, W)
-        g = to_fp32(tl.load(grad_ptr + t[:, None] * hidden + cols, mask=mask, other=0.0), SOFT)
-        for j in tl.static_range(K):
-            row = tl.load(rows_of_ptr + t * K + j, mask=lmask, other=-1)
-            raw = _load_wire(buf_ptr, row, c0, cols, mask, hidden, row_stride, MX, BF16, SOFT)
-            r = to_fp32(raw, SOFT)
-            part = tl.sum(tl.reshape(g * r, (BLOCK_T, NB * W)), axis=1)
-            dots += tl.where(slot[None, :] == j, part[:, None], 0.0)
-            gr = _rounded(_weight(w_ptr, t * K + j, lmask, BF16, SOFT)[:, None] * g, BF16, SOFT)
-            if MX:
-                v, s = _quantize(gr, RCEIL, HW_E8M0, SOFT)
-            elif BF16:
-                v, s = fp32_to_bf16(gr, SOFT), c0
-            else:
-                v, s = gr, c0
-            _store_wire(out_ptr, row, c0, cols, mask, v, s, hidden, out_stride, MX)
+    cb = tl.program_id(1)
+    t, c0, cols, lmask, mask = _lanes(first, cb * (NB * W), n_tokens, hidden, BLOCK_T, NB, W)
+    g = to_fp32(tl.load(grad_ptr + t[:, None] * hidden + cols, mask=mask, other=0.0), SOFT)
     tt = first + tl.arange(0, BLOCK_T)
-    at = tt[:, None] * K + slot[None, :]
-    wmask = (tt < n_tokens)[:, None] & (slot < K)[None, :]
-    held = tl.load(rows_of_ptr + at, mask=wmask, other=-1) >= 0
-    tl.store(grad_w_ptr + at, tl.where(held, dots, 0.0), mask=wmask)
+    for j in tl.static_range(K):
+        row = tl.load(rows_of_ptr + t * K + j, mask=lmask, other=-1)
+        raw = _load_wire(buf_ptr, row, c0, cols, mask, hidden, row_stride, MX, BF16, SOFT)
+        part = tl.sum(tl.reshape(g * to_fp32(raw, SOFT), (BLOCK_T, NB * W)), axis=1)
+        tl.store(part_ptr + (tt * K + j) * n_cb + cb, part, mask=tt < n_tokens)
+        gr = _rounded(_weight(w_ptr, t * K + j, lmask, BF16, SOFT)[:, None] * g, BF16, SOFT)
+        if MX:
+            v, s = _quantize(gr, RCEIL, HW_E8M0, SOFT)
+        elif BF16:
+            v, s = fp32_to_bf16(gr, SOFT), c0
+        else:
+            v, s = gr, c0
+        _store_wire(out_ptr, row, c0, cols, mask, v, s, hidden, out_stride, MX)
 
 
 # ---------------------------------------------------------------------------- launchers
@@ -365,17 +358,19 @@ def slot_sum_decode_backward(
     out = torch.empty(shape, dtype=dtype, device=grad.device)
     if min(t, k, h, n_rows, buf.shape[0]) == 0:  # (without rows, every slot is -1)
         return out, torch.zeros((t, k), dtype=torch.float32, device=grad.device)
-    grad_w = torch.empty((t, k), dtype=torch.float32, device=grad.device)
     soft = grad.device.type == "cpu"
-    bt, bh = _slot_sum_tiles(h, soft)  # slot_sum's backward's tiles: its grad_w bits
-    nb, w = (bh // 32, 32) if wire == "mxfp8" else (1, bh)
-    buf = _unit_cols(buf)
-    args = (grad.contiguous(), buf, rows_of.contiguous(), _weights(weights, grad.dtype), out,
-            grad_w, t, h, buf.stride(0), out.stride(0))  # fmt: skip
-    consts = dict(K=k, KP=max(2, next_pow2(k)), **_consts(wire, grad.device, scaling_mode))
+    bt, nb, w = _tile(h, t, wire == "mxfp8", soft)
+    n_cb = cdiv(h, nb * w)
+    part = torch.empty((t, k, n_cb), dtype=torch.float32, device=grad.device)
+    buf, rows_of = _unit_cols(buf), rows_of.contiguous()
+    args = (grad.contiguous(), buf, rows_of, _weights(weights, grad.dtype), out, part, t, h,
+            buf.stride(0), out.stride(0), n_cb)  # fmt: skip
+    consts = dict(K=k, **_consts(wire, grad.device, scaling_mode))
     consts.update(BF16=grad.dtype == torch.bfloat16, SOFT=soft, BLOCK_T=bt, NB=nb, W=w)
-    launch(_slot_sum_decode_backward_kernel, cdiv(t, bt), args, consts,
-           _config.SLOT_SUM_NUM_WARPS, enable_fp_fusion=False)  # fmt: skip
+    launch(_slot_sum_decode_backward_kernel, (cdiv(t, bt), n_cb), args, consts,
+           _config.STATIC_ROWS_NUM_WARPS, enable_fp_fusion=False)  # fmt: skip
+    # (a sum over the column blocks, not atomics: the same bits in every run)
+    grad_w = part.sum(-1).masked_fill_(rows_of < 0, 0)
     return out, grad_w
 
 
