@@ -9,9 +9,11 @@ static (sync-free), eager or replayed from a CUDA graph:
                                 CUDA graph and replayed (total time only; CUDA only)
     static mxfp8, rows only (graph)
                                 dispatch_static + combine_static forward + backward with
-                                identity experts, replayed from a graph: the row movement's
-                                own time, beside its HBM bound (bytes each kernel must move
-                                once, at the device-copy ceiling in --copy-tbs)
+                                identity experts and a fixed routing (made once, outside
+                                the graph), replayed from a graph: the row movement's own
+                                time (its device-side plan included), beside its HBM
+                                bound (bytes each kernel must move once, at the
+                                device-copy ceiling in --copy-tbs)
     + the FP8 experts (fp8_rowwise, fp8_rowwise_gw_hp, with and without weight reuse) and the
     old per-expert loop, by name with --variant
 
@@ -155,8 +157,15 @@ def step(layer, x, grad, variant, clock, cf: float) -> tuple[torch.Tensor, ...]:
     layer.exchange = exchange
     if experts not in ("loop", "identity"):
         layer.precision = experts
+    if experts == "identity":  # the rows alone: routing made once, outside the timed steps
+        if not hasattr(layer, "_fixed_routing"):
+            with torch.no_grad():
+                w, i = route(x @ layer.router.to(x.dtype), layer.top_k)
+            layer._fixed_routing = (w.requires_grad_(True), i)
+        weights, ids = layer._fixed_routing
     clock("start")
-    weights, ids = route(x @ layer.router.to(x.dtype), layer.top_k)
+    if experts != "identity":
+        weights, ids = route(x @ layer.router.to(x.dtype), layer.top_k)
     if kind == "static":
         cap = capacity_for(x.shape[0], layer.top_k, dist.get_world_size(), cf)
         ex, offs, handle = dispatch_static(x, ids, layer.num_experts, cap, exchange=exchange)
