@@ -153,9 +153,10 @@ def bench_shape(tokens, dim, kind, timer, device, mode, transports, graphs=False
     return res
 
 
-def table_rows(shape: str, kind: str, r: dict, world: int, labels) -> list[list]:
+def table_rows(shape: str, kind: str, r: dict, world: int, labels, cuda: bool) -> list[list]:
     rows = []
     for label in labels:
+        shown = label if cuda else f"{label} (over gloo)"  # the transport runs on either
         for phase, factor in (("fwd", 1), ("bwd", 1), ("fwd+bwd", 2)):
             b, m = r[f"bf16 {phase}"], r[f"mxfp8 {label} {phase}"]
             nbytes = r["bytes_per_rank_bf16"] * factor
@@ -165,7 +166,7 @@ def table_rows(shape: str, kind: str, r: dict, world: int, labels) -> list[list]
             if phase == "fwd+bwd":
                 sqnr = min(r["sqnr_fwd_db"], r["sqnr_bwd_db"])
             rows.append(
-                [shape, kind, label, phase, b, m, b / m, algbw_b, algbw_b * bus, algbw_m,
+                [shape, kind, shown, phase, b, m, b / m, algbw_b, algbw_b * bus, algbw_m,
                  algbw_m * bus, sqnr]
             )  # fmt: skip
     return rows
@@ -247,11 +248,14 @@ def main(argv: list[str] | None = None) -> None:
             args.graphs and cuda,
         )  # fmt: skip
         results[text] = r
-        rows += table_rows(text, args.splits, r, world, transports)
+        rows += table_rows(text, args.splits, r, world, transports, cuda)
         progress.step(text)
     if rank == 0:
         if not cuda:
             print("CPU/gloo run: these timings say nothing about GPUs (a smoke test only).")
+        if args.iters < 10:
+            print(f"{args.iters} timed iterations: medians this few are noise (fwd+bwd may "
+                  "come out faster than fwd); take --iters 20 or more to compare")  # fmt: skip
         print(" ".join(f"{k}={v}" for k, v in info.items()))
         print(tabulate(rows, headers=HEADERS, floatfmt=".3f"))
         phases = [

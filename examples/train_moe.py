@@ -168,7 +168,8 @@ def main() -> None:
             )
     if rank == 0:
         print(f"eval loss ({args.exchange} exchange, {args.precision} experts): {evals['own']:.6f}")
-        print(f"eval loss (bf16 exchange, bf16 experts): {evals['bf16']:.6f}")
+        plain = f"plain {args.dtype} exchange, unscaled {args.dtype} experts"
+        print(f"eval loss ({plain}): {evals['bf16']:.6f}")
         if args.json:
             with open(args.json, "w") as f:
                 record = {"args": vars(args), "world_size": world, "loss": curve, "eval": evals}
