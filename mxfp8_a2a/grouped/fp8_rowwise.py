@@ -48,7 +48,11 @@ def _weights_per_row(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _fp8_grad_w(x: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """grad_w [E, K, N] bf16: x^T (K, M) and grad^T (N, M) scaled per (group, row) along the
-    tokens, written with 16-aligned non-empty token groups, then one 2-D x 2-D FP8 GEMM."""
+    tokens, written with 16-aligned non-empty token groups, then one 2-D x 2-D FP8 GEMM.
+    Rows past offs[-1] (the static dispatch's padding) are ignored: the per-group kernels
+    read only the rows inside groups (amax and cast spans end at each group's end) and write
+    zeros for the rest of the last group's padded region, so those rows reach neither the
+    scales nor the GEMM, whatever they hold."""
     a, sx, pad_offs = padded_token_scales(x, offs, True)  # (K, cap) row-major, 1 / scales
     b, sg, _ = padded_token_scales(grad, offs, True)  # (N, cap) row-major: b.t() column-major
     return _scaled_gmm(a, b.t(), sx.reshape(-1), sg.reshape(-1), pad_offs)
@@ -84,7 +88,8 @@ def fp8_rowwise_weights(w: torch.Tensor) -> Fp8Weights:
 
 def _fp8_forward(x, w, offs, cached: list[torch.Tensor]) -> torch.Tensor:
     """out [M, N] in x's dtype: x per row and w per (expert, output column) in e4m3 (``cached``:
-    an Fp8Weights' tensors, or empty)."""
+    an Fp8Weights' tensors, or empty). Rows past offs[-1] get their own row scales (unused)
+    and the GEMM leaves them unwritten: zeroed after it (grad_x the same)."""
     if x.shape[0] == 0:
         return x.new_empty((0, w.shape[2]))
     xq, xs = _scale_rows(x)
@@ -106,7 +111,8 @@ def _fp8_grads(
         gq, gs = _scale_rows(grad)
         wq, ws = by_row if by_row else _weights_per_row(w)
         gx = zero_trailing_rows_(_scaled_gmm(gq, wq, gs, ws, offs).to(x.dtype), offs)
-    if need_w and hp_grad_w:  # x^T column-major, grad row-major: 2-D x 2-D, as for bf16
+    # x^T column-major, grad row-major: 2-D x 2-D, as for bf16 (tokens past offs[-1] unread)
+    if need_w and hp_grad_w:
         gw = torch._grouped_mm(x.t(), grad, offs=offs)
     elif need_w:
         gw = _fp8_grad_w(x, grad, offs).to(w.dtype)

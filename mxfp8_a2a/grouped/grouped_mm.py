@@ -30,6 +30,11 @@ an older and the current one) and in the meta kernels of torch 2.13, and how the
   pointers move by whole rows of K, a multiple of 16 bytes), so rows stay where they are;
   the forward's weights come column-major per expert from the per-group kernel
   (per_group_scales.expert_column_scales), grad_x's are w's own storage.
+Rows past offs[-1] (x longer than its groups: the static dispatch's zero padding) belong to no
+group. torch's grouped GEMMs ignore them (2-D x 3-D: their output rows are left unwritten;
+2-D x 2-D: those tokens are not read), as do the per-group kernels; the output and grad_x
+rows from offs[-1] on are zeroed after the GEMM by trailing.py's kernel, which reads offs[-1]
+on the device and writes only those rows (the loop op and the reference start from zeros).
 Nothing here reads offs on the host except the CPU loop and ``validate=True``.
 """
 
@@ -70,7 +75,8 @@ def _host_bounds(offs: torch.Tensor, extent: int) -> list[tuple[int, int]]:
     if ends and ends[-1] > extent:
         raise ValueError(
             f"grouped_mm: offs[-1] must be at most x.shape[0] = {extent} (rows past offs[-1] "
-            f"are ignored), got {ends[-1]}: the offsets overrun x; pass end offsets of x's rows"
+            f"are ignored), got {ends[-1]}: the groups overrun x; pad x with zero rows to "
+            f"offs[-1] rows, or pass the end offsets of x's own rows"
         )
     return list(zip(starts, ends, strict=True))
 
@@ -214,8 +220,8 @@ def grouped_mm(
             N may be 0 (zeros, zero gradients).
         w: [E, K, N] the experts' weights, x's dtype.
         offs: int32 [E] group end offsets on x's device: non-decreasing, offs[-1] <= M; empty
-            groups allowed. Rows past offs[-1] are ignored: their output rows and their
-            gradient are zero, and they add nothing to w's gradient. Not read on the host
+            groups allowed. Rows past offs[-1] are ignored: zero output, zero gradient (and
+            nothing added to w's gradient), whatever they hold. Not read on the host
             on CUDA for bf16 inputs and for "fp8_rowwise" (unless ``validate``); fp32/fp16
             inputs with "bf16" take the per-expert loop, which reads them (one host sync per
             GEMM).

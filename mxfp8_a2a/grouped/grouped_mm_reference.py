@@ -1,8 +1,9 @@
 """Plain-torch definition of :func:`mxfp8_a2a.grouped_mm`, the arithmetic the GPU paths match.
 
-A loop over expert groups (offsets read on the host). "bf16": each group's product in fp32,
-rounded once to the inputs' dtype (what torch._grouped_mm computes). "fp8_rowwise": the
-operands cast to e4m3 with the per-group scales of reference.py (exact casts), products and
+A loop over expert groups (offsets read on the host); rows past offs[-1] belong to no group:
+zero output rows, zero gradient rows, nothing added to grad_w. "bf16": each group's product
+in fp32, rounded once to the inputs' dtype (what torch._grouped_mm computes). "fp8_rowwise":
+the operands cast to e4m3 with the per-group scales of reference.py (exact casts), products and
 sums in fp32, then ``(acc * scale_a) * scale_b`` with the reciprocal scales (the order of
 torch._scaled_grouped_mm's epilogue), rounded to bf16, then cast to the inputs' dtype:
 
@@ -111,9 +112,10 @@ def grouped_mm_reference(
 ) -> torch.Tensor:
     """out[offs[e-1]:offs[e]] = x[offs[e-1]:offs[e]] @ w[e] in plain torch (see the module
     docstring for the arithmetic of each precision). x [M, K], w [E, K, N], offs int32 [E]
-    end offsets (read on the host); differentiable in x and w. No argument checks: use
-    :func:`mxfp8_a2a.grouped_mm`, which checks them and runs this on CPU for the FP8
-    precisions."""
+    end offsets (read on the host), non-decreasing, offs[-1] <= M: rows past offs[-1] are
+    ignored (zero output, zero gradient, nothing added to w's gradient); differentiable in
+    x and w. No argument checks: use :func:`mxfp8_a2a.grouped_mm`, which checks them and
+    runs this on CPU for the FP8 precisions."""
     if precision in ("fp8_rowwise", "fp8_rowwise_gw_hp"):
         return _Fp8RowwiseReference.apply(x, w, offs, precision == "fp8_rowwise_gw_hp")
     if precision != "bf16":
@@ -121,8 +123,11 @@ def grouped_mm_reference(
             f"precision must be 'bf16', 'fp8_rowwise' or 'fp8_rowwise_gw_hp', got {precision!r}"
         )
     bounds = _bounds(offs)
-    parts = torch.split(x, [hi - lo for lo, hi in bounds])
+    end = bounds[-1][1] if bounds else 0  # rows from offs[-1] on: zeros, zero gradient
+    parts = torch.split(x[:end], [hi - lo for lo, hi in bounds])
     outs = [
         (xe.float() @ we.float()).to(x.dtype) for xe, we in zip(parts, w.unbind(0), strict=True)
     ]
+    if end < x.shape[0]:
+        outs.append(x.new_zeros((x.shape[0] - end, w.shape[2])))
     return torch.cat(outs) if outs else x.new_empty((0, w.shape[2]))
