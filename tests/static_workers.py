@@ -198,3 +198,22 @@ def static_layer_reports_drops(rank, world, backend):
         assert "dropped rows" in str(e) and "capacity of" in str(e), e
         return str(e)
     raise AssertionError("check_no_drops did not raise")
+
+
+def layer_arguments_and_shapes(rank, world):
+    """The layer refuses a top_k above num_experts and an unknown exchange at construction,
+    and takes [batch, seq, hidden] input (flattened into tokens), synced and static alike."""
+    import pytest
+
+    from mxfp8_a2a.moe.layer import ExpertParallelMoE
+
+    with pytest.raises(ValueError, match="top_k must be an int in"):
+        ExpertParallelMoE(HIDDEN, 32, 2 * world, 2 * world + 1)
+    with pytest.raises(ValueError, match="exchange must be one of"):
+        ExpertParallelMoE(HIDDEN, 32, 2 * world, 2, exchange="mxfp9")
+    x = torch.randn(2, 3, HIDDEN)
+    for capacity in (None, 12):
+        layer = ExpertParallelMoE(HIDDEN, 32, 2 * world, 2, capacity=capacity)
+        out = layer(x)
+        assert out.shape == x.shape
+        assert torch.equal(out, layer(x.reshape(6, HIDDEN)).view(x.shape))

@@ -7,6 +7,7 @@ import random
 import pytest
 from dist_utils import run_distributed
 from static_workers import (
+    layer_arguments_and_shapes,
     static_layer_matches_synced,
     static_layer_reports_drops,
     static_matches_model,
@@ -54,3 +55,7 @@ def test_static_layer_matches_synced_layer(exchange, compiled):
 def test_static_layer_counts_drops_and_check_raises_everywhere():
     messages = run_distributed(static_layer_reports_drops, 2, "gloo")
     assert messages[0] == messages[1]
+
+
+def test_layer_checks_arguments_and_takes_batch_seq_hidden():
+    run_distributed(layer_arguments_and_shapes, 2)

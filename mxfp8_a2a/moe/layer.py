@@ -20,7 +20,7 @@ import torch.distributed as dist
 from ..exchange.transport import Transport
 from ..grouped.fp8_rowwise import Fp8Weights, fp8_rowwise_weights
 from ..grouped.grouped_mm import PRECISIONS, grouped_mm
-from .dispatch import combine, dispatch, dispatch_reporting
+from .dispatch import EXCHANGES, combine, dispatch, dispatch_reporting
 from .static_dispatch import STAT_NAMES, capacity_for, combine_static, dispatch_static
 
 grouped_mm_module = importlib.import_module("mxfp8_a2a.grouped.grouped_mm")  # not the function
@@ -36,9 +36,11 @@ def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]
 class ExpertParallelMoE(torch.nn.Module):
     """A MoE layer with experts spread over the ranks of ``group``.
 
-    router: replicated Linear(hidden, num_experts); experts: this rank's L = num_experts /
-    world experts, gelu MLPs hidden -> ffn -> hidden, weights w1 [L, hidden, ffn] and
-    w2 [L, ffn, hidden]. Forward: x [T, hidden] -> [T, hidden]. ``exchange`` picks "mxfp8"
+    router: a Parameter [hidden, num_experts] (logits = x @ router, no bias), the same on
+    every rank (its gradient is this rank's tokens' only: sum it over the ranks); experts:
+    this rank's L = num_experts / world experts, gelu MLPs hidden -> ffn -> hidden, weights
+    w1 [L, hidden, ffn] and w2 [L, ffn, hidden]. Forward: x [..., hidden] -> the same shape
+    (leading dimensions flattened into tokens). ``exchange`` picks "mxfp8"
     or "bf16" for dispatch and combine, ``transport`` how the MXFP8 exchanges move rows
     ("nccl" or a Transport object, see :func:`dispatch`). ``precision`` picks the experts'
     grouped GEMMs: "bf16" (unscaled, in the activations' dtype), "fp8_rowwise" (e4m3
@@ -76,6 +78,12 @@ class ExpertParallelMoE(torch.nn.Module):
         align: int = 16,
     ):
         super().__init__()
+        if exchange not in EXCHANGES:
+            raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
+        if type(top_k) is not int or not 1 <= top_k <= num_experts:
+            raise ValueError(
+                f"top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}"
+            )
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         if precision != "bf16" and (hidden % 16 or ffn % 16):
@@ -112,8 +120,11 @@ class ExpertParallelMoE(torch.nn.Module):
         self._fp8_weights: dict[tuple, tuple[tuple, Fp8Weights]] | None = None  # fp8_weight_reuse
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] (floating, on the parameters' device) -> [T, hidden] in x's dtype.
-        An x that is not raises the same ValueError on every rank (from dispatch)."""
+        """x [..., hidden] (floating, on the parameters' device) -> the same shape in x's
+        dtype. An x that is not raises a ValueError: on every rank (from dispatch) for the
+        host-synced dispatch, on this rank for the static one."""
+        if isinstance(x, torch.Tensor) and x.dim() > 2:  # [batch, seq, hidden] and the like
+            return self.forward(x.reshape(-1, x.shape[-1])).view(x.shape)
         problem = self._input_error(x)
         if problem is not None and self.static:  # (no sync to tell the other ranks)
             raise ValueError(problem)
