@@ -109,14 +109,15 @@ SLOT_SUM_BLOCK_T = 4
 SLOT_SUM_BLOCK_H = 1024
 SLOT_SUM_NUM_WARPS = 4
 INTERPRET_SLOT_SUM_BLOCK_T = 2
-# The static dispatch/combine's row kernels (moe/static_kernels.py; their backward slot sum
-# takes the slot sum's tiles above): programs of about STATIC_ROWS_TILE elements, rows of at
-# most STATIC_ROWS_BLOCK_H columns. H200 sweep, 2026-12-04, bf16 rows, T x k x H of 16384x8x7168,
+# The static dispatch/combine's row kernels (moe/static_kernels.py, the backward too, which
+# was not in the sweep): programs of about STATIC_ROWS_TILE elements, rows of at most
+# STATIC_ROWS_BLOCK_H columns. H200 sweep, 2026-12-04, bf16 rows, T x k x H of 16384x8x7168,
 # 8192x8x2048, 32768x4x5120, 65536x2x768, both wires, 16 (tile, BLOCK_H, warps) choices:
 STATIC_ROWS_TILE = 2048  # slot_sum_decode 2.5-3.1 TB/s (mxfp8), 1.3-2.3 at 8192; others +-10%
 STATIC_ROWS_BLOCK_H = 2048  # 1024 at this tile: up to 12% slower (H = 2048, mxfp8)
 STATIC_ROWS_NUM_WARPS = 4  # as fast as 2 warps at tile 1024; 8 at tile 4096 no faster
-INTERPRET_STATIC_ROWS_TILE = 256  # small: tests run several programs along the rows
+INTERPRET_STATIC_ROWS_TILE = 4096  # one program for most test calls: the interpreter's cost
+# is per program (test_static_rows.py shrinks it, to run several along the rows)
 INTERPRET_STATIC_ROWS_BLOCK_H = 64  # small: tests of 96 and 160 columns run several tiles
 
 
