@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from a2a_workers import device_for
+from helpers import sqnr_db
 
 import mxfp8_a2a as mx
 from mxfp8_a2a.moe.static_dispatch import static_rows
@@ -178,7 +179,10 @@ def static_layer_matches_synced(rank, world, backend, seed, exchange, compiled):
             assert layer.dispatch_stats.tolist() == [0, layer.dispatch_stats[1].item(), 0]
             mx.check_no_drops(layer.dispatch_stats)
     for a, b in zip(*results, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)  # (fp32 GEMM blocking)
+        if compiled:  # the compiled router's last-bit differences can flip an MXFP8
+            assert sqnr_db(a, b) > 40  # rounding, or meet a cancellation in a weight gradient
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)  # (fp32 GEMM blocking)
 
 
 def static_layer_reports_drops(rank, world, backend):

@@ -80,9 +80,9 @@ class ExpertParallelMoE(torch.nn.Module):
         super().__init__()
         if exchange not in EXCHANGES:
             raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
-        if type(top_k) is not int or not 1 <= top_k <= num_experts:
+        if type(top_k) is not int or not 0 <= top_k <= num_experts:
             raise ValueError(
-                f"top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}"
+                f"top_k must be an int in [0, num_experts={num_experts}], got {top_k!r}"
             )
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
