@@ -42,10 +42,10 @@ import torch.distributed as dist
 
 from .._common import check_scaling_mode
 from ..exchange.checks import _all_gather as all_gather
-from ..exchange.checks import device_error, group_rank_and_size
+from ..exchange.checks import group_rank_and_size
 from ..exchange.plain import HAS_FUNCOL, funcol
 from . import static_rows as rows_ops
-from .static_rows import WIRES
+from .dispatch import _local_error
 
 STAT_NAMES = ("dropped", "needed_capacity", "invalid_ids")
 
@@ -216,40 +216,18 @@ def _desc(t) -> str:
 
 
 def _check(x, topk_ids, num_experts, world, capacity, align, exchange, scaling_mode, group):
-    if exchange not in WIRES:
-        raise ValueError(f"exchange must be one of {WIRES}, got {exchange!r}")
-    check_scaling_mode(scaling_mode)
-    if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.dtype.is_floating_point:
-        raise ValueError(f"x must be a floating [tokens, hidden] tensor, got {_desc(x)}")
-    if (problem := device_error(x.device, group)) is not None:
+    """dispatch's own checks of its arguments, then what only the static path takes."""
+    if (problem := _local_error(x, topk_ids, num_experts, world, exchange, group)) is not None:
         raise ValueError(problem)
-    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2:
-        raise ValueError(
-            f"topk_ids must be a 2-D [tokens, k] integer tensor, got {_desc(topk_ids)}"
-        )
-    if topk_ids.shape[0] != x.shape[0] or topk_ids.device != x.device:
-        raise ValueError(
-            f"topk_ids must be [tokens={x.shape[0]}, k] on {x.device}, got "
-            f"{tuple(topk_ids.shape)} on {topk_ids.device}"
-        )
-    dt = topk_ids.dtype
-    if dt.is_floating_point or dt.is_complex or dt == torch.bool:
-        raise ValueError(f"topk_ids must be an integer tensor, got {dt}")
-    if type(num_experts) is not int or num_experts < 1 or num_experts % world:
-        raise ValueError(
-            f"num_experts ({num_experts!r}) must be a positive multiple of the group size ({world})"
-        )
+    check_scaling_mode(scaling_mode)
+    if not x.dtype.is_floating_point:
+        raise ValueError(f"x must be a floating [tokens, hidden] tensor, got {_desc(x)}")
     if type(capacity) is not int or capacity < 0:
         raise ValueError(
             f"capacity must be an int >= 0 (rows per rank pair; see capacity_for), got {capacity!r}"
         )
     if type(align) is not int or align < 1:
         raise ValueError(f"align must be an int >= 1, got {align!r}")
-    if exchange == "mxfp8" and (x.dtype not in (torch.bfloat16, torch.float32) or x.shape[1] % 32):
-        raise ValueError(
-            f"exchange='mxfp8' needs bfloat16 or float32 x with hidden % 32 == 0, got "
-            f"{x.dtype} [.., {x.shape[1]}]; pad hidden or pass exchange='bf16'"
-        )
 
 
 def dispatch_static(
