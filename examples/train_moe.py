@@ -29,7 +29,7 @@ import torch.distributed as dist
 import mxfp8_a2a as mx
 from mxfp8_a2a import ExpertParallelMoE
 from mxfp8_a2a._torchrun import init_from_torchrun
-from mxfp8_a2a.grouped.grouped_mm import PRECISIONS
+from mxfp8_a2a.grouped.gemm import PRECISIONS
 from mxfp8_a2a.moe import EXCHANGES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

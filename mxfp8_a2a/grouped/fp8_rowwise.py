@@ -3,7 +3,7 @@
 ``mxfp8_a2a::fp8_rowwise_grouped_mm`` with its autograd (traced by torch.compile; eager calls
 run the same forward and backward through an autograd Function, ``fp8_grouped_mm``);
 ``Fp8Weights`` / ``fp8_rowwise_weights``, the weights' casts made once for several calls.
-grouped_mm.py says which layouts torch's FP8 grouped GEMM needs and how they are met.
+gemm.py says which layouts torch's FP8 grouped GEMM needs and how they are met.
 """
 
 from __future__ import annotations

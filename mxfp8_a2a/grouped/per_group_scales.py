@@ -181,7 +181,7 @@ def _(x, offs, pow2, group_dim, column_major):
 
 # ---------------------------------------------------------------------------- grouped GEMMs
 # Two operand layouts of torch._scaled_grouped_mm that no (M, K)-shaped output gives, written
-# by the colwise kernels directly (mxfp8_a2a/grouped/grouped_mm.py uses them).
+# by the colwise kernels directly (mxfp8_a2a/grouped/gemm.py uses them).
 
 
 def _kernels_run_on(device: torch.device) -> bool:

@@ -11,19 +11,17 @@ drawn for all experts from one seed and sliced, so every world size builds the s
 from __future__ import annotations
 
 import contextlib
-import importlib
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
 from ..exchange.transport import Transport
+from ..grouped import gemm as grouped_mm_module
 from ..grouped.fp8_rowwise import Fp8Weights, fp8_rowwise_weights
-from ..grouped.grouped_mm import PRECISIONS, grouped_mm
+from ..grouped.gemm import PRECISIONS, grouped_mm
 from .dispatch import EXCHANGES, combine, dispatch, dispatch_reporting
 from .static_dispatch import STAT_NAMES, capacity_for, combine_static, dispatch_static
-
-grouped_mm_module = importlib.import_module("mxfp8_a2a.grouped.grouped_mm")  # not the function
 
 
 def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
