@@ -135,8 +135,8 @@ def test_fp8_cuda_path_emulated_is_exact_on_representable_data(emulated):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cuda_paths_trace_with_fake_cuda_tensors(dtype):
-    """Both CUDA paths, forward and backward, on fake CUDA tensors: torch's meta kernels
-    of _grouped_mm / _scaled_grouped_mm accept every operand (dtype, layout, scale shapes)."""
+    """Both CUDA paths, forward and backward, on fake CUDA tensors: the meta kernels of
+    torch's grouped GEMMs accept every operand (dtype, layout, scale shapes)."""
     m, k, n, e = 45, 32, 48, 4
     with FakeTensorMode():
         x = torch.empty(m, k, device="cuda", dtype=dtype)
@@ -313,9 +313,9 @@ def test_bad_arguments_raise_clear_errors(change, exc, match):
 
 
 @pytest.mark.parametrize("grouped, scaled", [(True, True), (False, False)])
-def test_paths_without_torch_private_grouped_gemms(monkeypatch, grouped, scaled):
-    """Without torch._grouped_mm / torch._scaled_grouped_mm (private ops), CUDA inputs take
-    the public fallbacks: the loop op (bf16) and the plain-torch reference (fp8_rowwise)."""
+def test_paths_without_torch_grouped_gemms(monkeypatch, grouped, scaled):
+    """Without torch's grouped GEMMs (neither torch.nn.functional's nor the private ops),
+    CUDA inputs take the loop op (bf16) and the plain-torch reference (fp8_rowwise)."""
     monkeypatch.setattr(gm, "HAS_GROUPED_MM", grouped)
     monkeypatch.setattr(gm, "HAS_SCALED_GROUPED_MM", scaled)
     with FakeTensorMode():

@@ -1,6 +1,7 @@
 """grouped_mm on a CUDA GPU ("fp8_rowwise" ones on sm_90+): against the reference with the
 tolerance table, exact on representable data, SQNR against bf16, empty experts,
-torch.compile, and the fallbacks without torch's private grouped GEMMs. They skip without CUDA.
+torch.compile, torch's public grouped GEMMs against the private ones (the same bits), and the
+fallbacks without either. They skip without CUDA.
 
     python -m pytest -q tests/test_grouped_mm_gpu.py
 """
@@ -29,6 +30,7 @@ from grouped_mm_data import (
 from helpers import fresh_generator, sqnr_db
 
 import mxfp8_a2a as mx
+from mxfp8_a2a.grouped import torch_gemms as tg
 from mxfp8_a2a.moe.layer import ExpertParallelMoE
 
 
@@ -127,7 +129,8 @@ def test_gpu_layer_fp8_close_to_bf16():
 
 @needs_cuda
 @pytest.mark.parametrize("precision", gm.PRECISIONS)
-def test_gpu_fallbacks_without_torch_private_grouped_gemms(monkeypatch, precision):
+def test_gpu_fallbacks_without_torch_grouped_gemms(monkeypatch, precision):
+    """Without torch's grouped GEMMs (public or private): the loop op, the reference."""
     if precision != "bf16" and not SM90:
         pytest.skip(f"{precision} needs an sm_90+ GPU")
     args = _gpu_inputs("with_empty")
@@ -147,3 +150,22 @@ def test_gpu_fp8_weights_made_once_give_the_same_bits():
     )
     for a, b in zip(reused, _fwd_bwd(_public("fp8_rowwise"), *args), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@needs_cuda
+@pytest.mark.parametrize("precision", gm.PRECISIONS)
+def test_gpu_public_and_private_torch_gemms_give_the_same_bits(monkeypatch, precision):
+    """torch.nn.functional.grouped_mm / scaled_grouped_mm and the private ops they fall back
+    to (torch_gemms.py): the same bits, forward and backward."""
+    if precision != "bf16" and not SM90:
+        pytest.skip(f"{precision} needs an sm_90+ GPU")
+    if not (tg.PUBLIC_GROUPED_MM and tg.HAS_PUBLIC_SCALED_GROUPED_MM):
+        pytest.skip("this torch has no torch.nn.functional.grouped_mm / scaled_grouped_mm")
+    args = _gpu_inputs("with_empty", m=1003)
+    assert tg.scaled_path(args[0]) == "public"
+    public = _fwd_bwd(_public(precision), *args)
+    monkeypatch.setattr(tg, "PUBLIC_GROUPED_MM", False)
+    monkeypatch.setattr(tg, "HAS_PUBLIC_SCALED_GROUPED_MM", False)
+    assert tg.scaled_path(args[0]) == "private"
+    for a, b in zip(public, _fwd_bwd(_public(precision), *args), strict=True):
+        assert torch.equal(a, b)

@@ -95,10 +95,10 @@ def test_reference_ignores_trailing_rows(precision, ends):
 
 
 @needs_interpreter
-@pytest.mark.skipif(not gm.HAS_GROUPED_MM, reason="needs torch._grouped_mm")
+@pytest.mark.skipif(not gm.HAS_GROUPED_MM, reason="this torch has no grouped GEMM")
 @pytest.mark.parametrize("ends", ENDS)
 def test_grouped_gemm_path_zeroes_unwritten_rows(ends):
-    """The CUDA bf16 path (torch._grouped_mm, then the zeroing kernel) on CPU tensors."""
+    """The CUDA bf16 path (torch's grouped GEMM, then the zeroing kernel) on CPU tensors."""
     _check(lambda x, w, o: gm._GroupedMM.apply(x, w, o, False), *_data(ends, "cpu"))
 
 
@@ -124,7 +124,7 @@ def test_torch_compile_fullgraph_cpu():
 
 
 @needs_interpreter
-@pytest.mark.skipif(not gm.HAS_GROUPED_MM, reason="needs torch._grouped_mm")
+@pytest.mark.skipif(not gm.HAS_GROUPED_MM, reason="this torch has no grouped GEMM")
 def test_torch_compile_fullgraph_grouped_gemm_path():
     """The zeroing op (it mutates the GEMM's output) traced in one graph, forward and
     backward."""

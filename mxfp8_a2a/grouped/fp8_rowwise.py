@@ -1,5 +1,6 @@
 """The FP8-rowwise grouped GEMM of grouped_mm(precision="fp8_rowwise"): its operands' casts
-(the per-group kernels of per_group_scales.py), torch._scaled_grouped_mm, and the custom op
+(the per-group kernels of per_group_scales.py), torch's FP8 grouped GEMM (torch_gemms.py:
+torch.nn.functional.scaled_grouped_mm, the private op as its fallback), and the custom op
 ``mxfp8_a2a::fp8_rowwise_grouped_mm`` with its autograd (traced by torch.compile; eager calls
 run the same forward and backward through an autograd Function, ``fp8_grouped_mm``);
 ``Fp8Weights`` / ``fp8_rowwise_weights``, the weights' casts made once for several calls.
@@ -16,6 +17,7 @@ from torch.autograd.function import once_differentiable
 from .._common import contiguous, runs_eagerly
 from .per_group_scales import expert_column_scales, padded_token_scales
 from .row_scales import row_scales
+from .torch_gemms import grouped_gemm, scaled_grouped_gemm
 from .trailing import zero_trailing_rows_
 from .weight_scales import weight_scales
 
@@ -23,8 +25,8 @@ _FP8_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def _scaled_gmm(a, b, scale_a, scale_b, offs) -> torch.Tensor:
-    """torch._scaled_grouped_mm: a e4m3 row-major, b e4m3 column-major, fp32 multipliers."""
-    return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs, out_dtype=torch.bfloat16)
+    """torch's FP8 grouped GEMM: a e4m3 row-major, b e4m3 column-major, fp32 multipliers."""
+    return scaled_grouped_gemm(a, b, scale_a, scale_b, offs)
 
 
 def _scale_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,7 +104,7 @@ def _fp8_grads(
 ):
     """(grad_x [M, K] in x's dtype or None, grad_w [E, K, N] in w's dtype or None); by_row:
     an Fp8Weights' by_row and row_inv, or empty; with ``hp_grad_w`` grad_w unscaled in bf16
-    (torch._grouped_mm of x^T and grad_out)."""
+    (torch's bf16 grouped GEMM of x^T and grad_out)."""
     if x.shape[0] == 0:
         return torch.zeros_like(x), torch.zeros_like(w)
     grad = contiguous(grad)
@@ -113,7 +115,7 @@ def _fp8_grads(
         gx = zero_trailing_rows_(_scaled_gmm(gq, wq, gs, ws, offs).to(x.dtype), offs)
     # x^T column-major, grad row-major: 2-D x 2-D, as for bf16 (tokens past offs[-1] unread)
     if need_w and hp_grad_w:
-        gw = torch._grouped_mm(x.t(), grad, offs=offs)
+        gw = grouped_gemm(x.t(), grad, offs)
     elif need_w:
         gw = _fp8_grad_w(x, grad, offs).to(w.dtype)
     return gx, gw
@@ -131,7 +133,7 @@ def fp8_rowwise_grouped_mm(
     hp_grad_w: bool,
 ) -> torch.Tensor:
     """x [M, K], w [E, K, N] contiguous, offs int32 [E], cached: the four tensors of w's
-    Fp8Weights or none -> [M, N] in x's dtype through torch._scaled_grouped_mm;
+    Fp8Weights or none -> [M, N] in x's dtype through torch's FP8 grouped GEMM;
     differentiable in x and w (``hp_grad_w``: grad_w unscaled in bf16, x and w bf16)."""
     return _fp8_forward(x, w, offs, cached)
 
@@ -194,7 +196,7 @@ def check_fp8_weights(w: torch.Tensor, fp8: Fp8Weights, precision: str) -> None:
     e, k, n = w.shape
     want = ((e, k, n), (e, n), (e, n, k), (e, k))
     dtypes = (torch.float8_e4m3fn, torch.float32) * 2
-    # the layouts torch._scaled_grouped_mm reads: each expert column-major
+    # the layouts torch's FP8 grouped GEMM reads: each expert column-major
     strides = ((n * k, 1, k), (n, 1), (n * k, 1, n), (k, 1))
     if not isinstance(fp8, Fp8Weights) or any(
         t.shape != shape or t.dtype != dt or t.device != w.device or t.stride() != st

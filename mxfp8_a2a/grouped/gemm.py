@@ -1,9 +1,11 @@
 """Grouped GEMMs of MoE experts: ``grouped_mm(x, w, offs, precision=...)``.
 
 x [M, K] holds rows grouped by expert (group e is rows offs[e-1]:offs[e]), w [E, K, N] the
-experts' weights: out[rows of e] = x[rows of e] @ w[e]. Layers: torch's grouped GEMMs
-(torch._grouped_mm, torch._scaled_grouped_mm) and the custom op ``mxfp8_a2a::grouped_mm_loop``
-(a per-expert loop) -> the autograd Function _GroupedMM (bf16) and the custom op
+experts' weights: out[rows of e] = x[rows of e] @ w[e]. Layers: torch's grouped GEMMs (public:
+torch.nn.functional.grouped_mm and scaled_grouped_mm; the private torch._grouped_mm and
+torch._scaled_grouped_mm only where those are missing or cannot be traced: torch_gemms.py)
+and the custom op ``mxfp8_a2a::grouped_mm_loop`` (a per-expert loop) -> the autograd
+Function _GroupedMM (bf16) and the custom op
 ``mxfp8_a2a::fp8_rowwise_grouped_mm`` with its autograd (fp8_rowwise.py; eager calls take an
 autograd Function of the same forward and backward) -> grouped_mm.
 The plain-torch definition is grouped_mm_reference.py.
@@ -51,15 +53,15 @@ from .fp8_rowwise import (
     fp8_rowwise_weights,
 )
 from .grouped_mm_reference import grouped_mm_reference
+from .torch_gemms import HAS_GROUPED_MM, HAS_SCALED_GROUPED_MM, grouped_gemm
 from .trailing import zero_trailing_rows_
 
 PRECISIONS = ("bf16", "fp8_rowwise", "fp8_rowwise_gw_hp")
 MAX_GROUPS = 1023  # torch's CUTLASS grouped GEMMs: "Can't process more than 1024 groups"
-# torch's CUDA grouped GEMMs are private ops (both in torch 2.11 and 2.13). Where one is
-# missing, grouped_mm runs its public fallback: the loop op for "bf16", the plain-torch
-# reference for "fp8_rowwise" (the same arithmetic, slower, reading offs on the host).
-HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
-HAS_SCALED_GROUPED_MM = hasattr(torch, "_scaled_grouped_mm")
+# Where torch has neither the public nor the private form of a grouped GEMM
+# (HAS_GROUPED_MM, HAS_SCALED_GROUPED_MM from torch_gemms.py), grouped_mm runs the loop op
+# for "bf16" and the plain-torch reference for the FP8 precisions (the same arithmetic,
+# slower, reading offs on the host).
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -86,8 +88,8 @@ def _host_bounds(offs: torch.Tensor, extent: int) -> list[tuple[int, int]]:
 
 @torch.library.custom_op("mxfp8_a2a::grouped_mm_loop", mutates_args=())
 def _loop_op(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """torch._grouped_mm's 2-D x 3-D and 2-D x 2-D cases as a loop over groups (offs read on
-    the host), each product in fp32 rounded once to a's dtype."""
+    """torch's grouped GEMM's 2-D x 3-D and 2-D x 2-D cases as a loop over groups (offs read
+    on the host), each product in fp32 rounded once to a's dtype."""
     if b.dim() == 3:  # a [M, K] rows grouped, b [E, K, N] -> [M, N]; rows past offs[-1]: 0
         out = a.new_zeros((a.shape[0], b.shape[2]))
         for e, (lo, hi) in enumerate(_host_bounds(offs, a.shape[0])):
@@ -109,11 +111,11 @@ def _(a, b, offs):
 
 
 def _gmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, loop: bool) -> torch.Tensor:
-    return _loop_op(a, b, offs) if loop else torch._grouped_mm(a, b, offs=offs)
+    return _loop_op(a, b, offs) if loop else grouped_gemm(a, b, offs)
 
 
 class _GroupedMM(torch.autograd.Function):
-    """Unscaled: torch._grouped_mm (CUDA, bf16) or the loop op, forward and backward."""
+    """Unscaled: torch's grouped GEMM (CUDA, bf16) or the loop op, forward and backward."""
 
     @staticmethod
     def forward(ctx, x, w, offs, loop):
@@ -144,9 +146,9 @@ class _GroupedMM(torch.autograd.Function):
 
 
 def gemm_path(x: torch.Tensor, precision: str) -> str:
-    """What runs: "scaled" (the FP8 op, torch._scaled_grouped_mm), "reference" (plain torch:
-    the FP8 precisions on CPU or without the ops they use), "grouped" (torch._grouped_mm:
-    CUDA bf16) or "loop" (the loop op: everything else)."""
+    """What runs: "scaled" (the FP8 op on torch's FP8 grouped GEMM), "reference" (plain
+    torch: the FP8 precisions on CPU or without the GEMMs they use), "grouped" (torch's bf16
+    grouped GEMM: CUDA bf16) or "loop" (the loop op: everything else)."""
     if precision == "fp8_rowwise":
         return "scaled" if x.is_cuda and HAS_SCALED_GROUPED_MM else "reference"
     if precision == "fp8_rowwise_gw_hp":
@@ -200,7 +202,7 @@ def _check(x, w, offs, precision: str) -> None:
         if cap < (9, 0):
             raise RuntimeError(
                 f"grouped_mm: precision={precision!r} needs an sm_90+ GPU "
-                f"(torch._scaled_grouped_mm), got sm_{cap[0]}{cap[1]}; use precision='bf16'"
+                f"(torch's FP8 grouped GEMM), got sm_{cap[0]}{cap[1]}; use precision='bf16'"
             )
 
 
@@ -225,18 +227,21 @@ def grouped_mm(
             on CUDA for bf16 inputs and for "fp8_rowwise" (unless ``validate``); fp32/fp16
             inputs with "bf16" take the per-expert loop, which reads them (one host sync per
             GEMM).
-        precision: "bf16": unscaled, in the inputs' dtype: torch._grouped_mm on CUDA for bf16
-            (K, N multiples of 8), else a per-expert loop (a custom op; on CUDA it reads offs
-            on the host). "fp8_rowwise" (CUDA sm_90+; K, N multiples of 16): e4m3 operands
-            with fp32 scales, products accumulated in fp32, through torch._scaled_grouped_mm:
+        precision: "bf16": unscaled, in the inputs' dtype: torch.nn.functional.grouped_mm
+            on CUDA for bf16 (K, N multiples of 8), else a per-expert loop (a custom op; on
+            CUDA it reads offs on the host). "fp8_rowwise" (CUDA sm_90+; K, N multiples of
+            16): e4m3 operands with fp32 scales, products accumulated in fp32, through
+            torch.nn.functional.scaled_grouped_mm:
             forward x per row and w per (expert, output column); grad_x grad_out per row and
             w per (expert, row of K); grad_w both per (expert, column) along the tokens, with
             the per-group kernels. The output and gradients are rounded to bf16, then cast to
-            the inputs' dtype. On CPU "fp8_rowwise" runs the plain-torch reference. Where
-            torch lacks its private torch._grouped_mm / torch._scaled_grouped_mm, the loop /
-            the reference run instead (``HAS_GROUPED_MM``, ``HAS_SCALED_GROUPED_MM``).
+            the inputs' dtype. On CPU "fp8_rowwise" runs the plain-torch reference. torch's
+            private torch._grouped_mm / torch._scaled_grouped_mm run where the public
+            functions are missing (and the FP8 one while tracing where its public form has
+            no meta kernel: torch_gemms.py); where torch has neither, the loop / the
+            reference run instead (``HAS_GROUPED_MM``, ``HAS_SCALED_GROUPED_MM``).
             "fp8_rowwise_gw_hp" (bf16 inputs): the forward and grad_x of "fp8_rowwise",
-            grad_w unscaled in bf16 as for "bf16" (torch._grouped_mm): no per-group casts
+            grad_w unscaled in bf16 as for "bf16" (torch's grouped GEMM): no per-group casts
             along the tokens, and grad_w as exact as bf16's. With the FP8 precisions, when
             x requires grad and w is large (``_config.WEIGHT_SCALES_IN_FORWARD_FROM``
             elements), the forward makes both FP8 copies of w in one pass
@@ -251,7 +256,7 @@ def grouped_mm(
             on CUDA give wrong rows, not an error.
     Returns:
         [M, N] in x's dtype, differentiable in x and w. torch.compile(fullgraph=True) traces
-        it (the "fp8_rowwise" reference excepted: on CPU, or without torch._scaled_grouped_mm).
+        it (the FP8 precisions' reference excepted: on CPU, or without torch's FP8 GEMM).
     """
     _check(x, w, offs, precision)
     if fp8_weights is not None:
