@@ -187,3 +187,7 @@ WEIGHT_SCALES_STAGES = 3
 # (experts_step_ab_*.txt); at [16, 2048, 768] (25M) 70 against 64 us, and the eager
 # 8192x2048 steps were not faster (2348-2413 us graphed either way).
 WEIGHT_SCALES_IN_FORWARD_FROM = 1 << 26
+# Dispatch's counts message has this many count columns per rank whatever num_experts is,
+# so that ranks that disagree on it get an error, not mismatched collectives; more local
+# experts than this take a second counts all-to-all (and host sync) after the check.
+DISPATCH_INLINE_COUNTS = 32

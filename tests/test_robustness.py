@@ -96,19 +96,21 @@ def test_compiled_and_eager_ranks_move_the_same_bytes():
 
 
 def test_dispatch_tells_every_transport_apart():
-    """dispatch's agreement code differs between the NCCL and copy-engine transports at every
+    """dispatch's agreement word differs between the NCCL and copy-engine transports at every
     setting (a 4-bit code once gave both the same, so a rank on each passed the check)."""
     import mxfp8_a2a as mx
+    from mxfp8_a2a.exchange import agreement
     from mxfp8_a2a.exchange.nccl import NCCL
-    from mxfp8_a2a.moe.dispatch import _agreement
+    from mxfp8_a2a.moe.dispatch import _terms
 
-    x = torch.zeros(2, 64)
-    group = object()  # the transport's group is not used by its code
-    codes = [_agreement(x, "mxfp8", NCCL)[1]]
-    codes += [_agreement(x, "mxfp8", mx.CopyEngineTransport(group))[1]]
-    codes += [_agreement(x, "mxfp8", mx.CopyEngineTransport(group, s))[1] for s in range(1, 65)]
+    def word(exchange, transport):
+        return agreement.word(agreement.FINE, _terms(torch.zeros(2, 64), 4, exchange, transport))
+
+    group = object()  # the transport's group is not used by its terms
+    codes = [word("mxfp8", NCCL), word("mxfp8", mx.CopyEngineTransport(group))]
+    codes += [word("mxfp8", mx.CopyEngineTransport(group, s)) for s in range(1, 65)]
     assert len(set(codes)) == len(codes)
-    assert _agreement(x, "bf16", NCCL) == _agreement(x, "bf16", mx.CopyEngineTransport(group))
+    assert word("bf16", NCCL) == word("bf16", mx.CopyEngineTransport(group))
 
 
 def test_nccl_transport_rejects_cpu_tensors_on_an_nccl_group(monkeypatch):

@@ -18,7 +18,7 @@ from .._common import check_float_input, check_scaling_mode
 from ..formats.dequantize import dequantize_packed
 from ..formats.packing import packed_row_bytes
 from ..formats.quantize import quantize_packed
-from . import checks
+from . import agreement, checks
 from .checks import Splits
 from .nccl import NcclTransport
 from .plain import HAS_FUNCOL, funcol
@@ -55,7 +55,8 @@ def compute_output_splits(
     dist.all_to_all_single(recv, send, group=group)
     out = recv.tolist()
     if error is not None or min(out, default=0) < 0:  # every rank sees every bad rank's -1
-        checks.raise_on_every_rank("compute_output_splits", error, group)
+        status = agreement.FINE if error is None else agreement.status_of(error)
+        agreement.agree("compute_output_splits", status, str(error or ""), [], group)
     return out
 
 
@@ -118,17 +119,20 @@ def to_mxfp8_a2a_dequant(
         input_splits: rows sent to each rank; must sum to tokens.
         group: process group (default: the world).
         scaling_mode: "rceil" (default) or "floor".
-        validate: check, with one all_gather of 2 * group-size + 7 int64 values and a host
-            sync, that the splits agree across ranks and that K, dtype, scaling_mode,
+        validate: check, with one all_gather of 2 * group-size + 129 int64 values and a
+            host sync, that the splits agree across ranks and that K, dtype, scaling_mode,
             transport (kind and setting) and whether x records a graph are the same on
             every rank, and gather every rank's local errors: every rank then raises the
             same error (naming the rank and the argument) instead of hanging or returning
             garbage. Also on when MXFP8_A2A_VALIDATE=1 was set when mxfp8_a2a was
-            imported (read once, then). **Every rank must pass the same** ``validate`` and
-            be started with the same MXFP8_A2A_VALIDATE: a rank that validates waits in an
-            all_gather the others never join (they are in the exchange), which ends only
-            in the process group's timeout (gloo raises after it, 30 min by default; NCCL's
-            watchdog aborts) or worse; nothing can detect it.
+            imported (read once, then). Compiled and eager ranks validate alike (under
+            torch.compile the gather is traced and checked at run time, so ranks may mix
+            compiled and eager calls); under CUDA graph capture it raises. **Every rank
+            must pass the same** ``validate`` and be started with the same
+            MXFP8_A2A_VALIDATE: a rank that validates waits in an all_gather the others
+            never join (they are in the exchange), which ends only in the process group's
+            timeout (gloo raises after it, 30 min by default; NCCL's watchdog aborts) or
+            worse; nothing can detect it.
         transport: "nccl" (default; any group): quantize, one all_to_all_single of packed
             rows, dequantize; the rows a rank sends itself skip the wire. Or a Transport
             object, e.g. :class:`mxfp8_a2a.CopyEngineTransport` (two ranks on GPUs with
@@ -163,7 +167,7 @@ def to_mxfp8_a2a_dequant(
     error: Exception | None = None
     out_splits: list[int] = []
     in_splits: list[int] = []
-    how: tuple = ()
+    terms = ""
     rank, world = checks.group_rank_and_size(group)
     compiling = torch.compiler.is_compiling()
     capturing = (
@@ -172,9 +176,9 @@ def to_mxfp8_a2a_dequant(
         and x.is_cuda
         and torch.cuda.is_current_stream_capturing()
     )
-    # under torch.compile nothing may synchronize: validate=True raises below, the
-    # environment's default is not applied (validate in an eager step instead)
-    validating = checks.validating(validate) and not capturing and not compiling
+    # compiled or eager, a rank that validates takes part in the same all_gather (so that
+    # compiled and eager ranks can be mixed); under CUDA graph capture validation raises
+    validating = checks.validating(validate) and not capturing
     chosen: Transport | None = None
     try:
         chosen = resolve(transport)
@@ -188,10 +192,10 @@ def to_mxfp8_a2a_dequant(
         splits_tensor = isinstance(output_splits, torch.Tensor) or isinstance(
             input_splits, torch.Tensor
         )
-        if compiling and (validate or splits_tensor):
+        if compiling and splits_tensor:
             raise ValueError(
-                "under torch.compile pass the splits as lists of ints and validate=False "
-                "(reading tensors or validating would synchronize); validate in an eager call"
+                "under torch.compile pass the splits as lists of ints (reading tensors would "
+                "synchronize)"
             )
         if capturing:
             checks.check_capturable(output_splits, input_splits, validate, chosen)
@@ -199,12 +203,16 @@ def to_mxfp8_a2a_dequant(
         in_splits = checks.splits_list(input_splits, "input_splits", x.device)
         checks.check_splits(x.shape[0], out_splits, in_splits, world, rank)
         if validating:
-            how = checks.how_code(k, x, scaling_mode, chosen)
+            terms = checks.exchange_terms(k, x, scaling_mode, chosen)
     except Exception as e:  # any local error: with validate, every rank learns of it
         error = e
-    if validating:
-        name = type(chosen).__name__ if chosen is not None else ""
-        checks.check_all_ranks(error, out_splits, in_splits, group, world, how, name)
+    if validating and compiling and isinstance(x, torch.Tensor):
+        # the check runs in the graph, at run time: a local error raises there, on every rank
+        x = checks.check_all_ranks(error, out_splits, in_splits, group, world, terms, x)
+        if error is not None:
+            return x  # (not reached: the check raises)
+    elif validating:
+        checks.check_all_ranks(error, out_splits, in_splits, group, world, terms)
     if error is not None:
         raise error
     return _apply(x, out_splits, in_splits, group, scaling_mode, chosen)

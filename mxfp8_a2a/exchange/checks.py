@@ -3,9 +3,9 @@
 Local checks raise a TypeError/ValueError naming the argument before any collective. What
 one rank cannot see alone (splits that disagree between ranks, a K, dtype, scaling mode,
 transport or requires_grad that differs) needs ``validate=True`` on every rank: one
-all_gather of 2 * world + 7 int64 values and a host sync, after which every rank raises the
-same error (when some rank's arguments are bad, a second collective, all_gather_object,
-brings that rank's message to every rank: on the error path only).
+all_gather of every rank's agreement row (agreement.py: the splits, what the exchange's
+sizes depend on, or the rank's error message) and a host sync, after which every rank
+raises the same error. Under torch.compile the compiled rank joins the same all_gather.
 
 MXFP8_A2A_VALIDATE=1 is read once, when this module is imported (so a rank cannot switch it
 on for itself in the middle of a run): every rank must be started with the same value.
@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import operator
 import os
-import zlib
 from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 
-from .._common import SCALING_MODES
+from . import agreement
+from .agreement import _all_gather, comm_device  # noqa: F401 (used from here too)
 from .transport import Transport
 
 Splits = Iterable[int] | torch.Tensor
@@ -29,17 +29,6 @@ Splits = Iterable[int] | torch.Tensor
 VALIDATE_ENV = "MXFP8_A2A_VALIDATE"
 VALIDATE_FROM_ENV = os.environ.get(VALIDATE_ENV, "0") == "1"  # read once, at import
 MAX_ROWS = 2**62  # any split at or above it is an error (int64 arithmetic stays exact)
-_DTYPES = (torch.bfloat16, torch.float32)
-
-# torch >= 2.13 renames all_gather_into_tensor to all_gather_single
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def comm_device(group: dist.ProcessGroup | None) -> torch.device:
-    """The device the collectives of ``group`` take tensors on (CUDA for NCCL)."""
-    if "nccl" in str(dist.get_backend(group)):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def device_error(device: torch.device, group: dist.ProcessGroup | None) -> str | None:
@@ -152,42 +141,32 @@ def check_capturable(output_splits, input_splits, validate: bool, transport: Tra
         )
 
 
-def raise_on_every_rank(what: str, error: Exception | None, group) -> None:
-    """Raise the same error on every rank of ``group``, naming each bad rank and its
-    message. Call it on every rank, once all of them know that some rank's arguments are
-    bad (it is a collective: one all_gather_object)."""
-    mine = None if error is None else (type(error).__name__, str(error)[:1000])
-    world = dist.get_world_size(group)
-    msgs: list = [None] * world
-    dist.all_gather_object(msgs, mine, group=group)
-    bad = [r for r in range(world) if msgs[r] is not None]
-    text = "; ".join(f"rank {r}: {msgs[r][1]}" for r in bad)
-    cls = TypeError if bad and all(msgs[r][0] == "TypeError" for r in bad) else ValueError
-    raise cls(f"{what}: bad arguments on rank(s) {bad} of the group: {text}") from error
+def transport_terms(transport: Transport) -> dict[str, object]:
+    """The terms (agreement.py) of a transport: its class and setting (an int in [0, 2**62),
+    else a ValueError)."""
+    setting = transport.setting()
+    if type(setting) is not int or not 0 <= setting < MAX_ROWS:
+        raise ValueError(
+            f"transport.setting() of {type(transport).__name__} must be an int in [0, 2**62), "
+            f"got {setting!r}"
+        )
+    cls = type(transport)
+    return {"transport": f"{cls.__module__}.{cls.__qualname__}", "transport setting": setting}
 
 
-def check_all_ranks(
-    error: Exception | None,
-    output_splits: list[int],
-    input_splits: list[int],
-    group: dist.ProcessGroup | None,
-    world: int,
-    how: tuple[int, ...],
-    transport_name: str = "",
-) -> None:
-    """One all_gather of [error flag, input_splits, output_splits, *how] (how_code); every
-    rank raises alike. Every rank must call it (validate=True on all of them)."""
-    n = 1 + 2 * world + len(HOW)
-    if error is None:
-        payload = [0, *input_splits, *output_splits, *how]
-    else:
-        payload = [1] + [0] * (n - 1)
-    mine = torch.tensor(payload, dtype=torch.int64, device=comm_device(group))
-    table = torch.empty(world * n, dtype=torch.int64, device=mine.device)
-    _all_gather(table, mine, group=group)
-    rows = table.view(world, n).tolist()
-    if any(r[0] for r in rows):  # the same on every rank: all of them call the gather
-        raise_on_every_rank("to_mxfp8_a2a_dequant", error, group)
+def exchange_terms(k: int, x: torch.Tensor, scaling_mode: str, transport: Transport) -> str:
+    """What the exchange's byte counts (and whether a backward exchange follows) depend on,
+    as agreement.py's terms text: K, dtype, scaling mode, transport, whether x records a
+    graph."""
+    grad = torch.is_grad_enabled() and x.requires_grad
+    terms = {"x.shape[1]": k, "x.dtype": x.dtype, "scaling_mode": scaling_mode}
+    return agreement.terms_text(terms | transport_terms(transport) | {"x.requires_grad": grad})
+
+
+def _splits_agree(rows: list[list[int]]) -> None:
+    """Every rank's [word, *input_splits, *output_splits, ...] rows: rank a sends rank b as
+    many rows as b expects from a."""
+    world = len(rows)
     for src in range(world):
         for dst in range(world):
             sent, expected = rows[src][1 + dst], rows[dst][1 + world + src]
@@ -198,54 +177,30 @@ def check_all_ranks(
                     f"(output_splits[{src}] on rank {dst}); compute output_splits with "
                     "compute_output_splits(input_splits)"
                 )
-    hows = [r[1 + 2 * world :] for r in rows]
-    for i, (what, fix) in enumerate(HOW.items()):
-        values = [h[i] for h in hows]
-        if len(set(values)) > 1:
-            if what == "transport":  # names for the message (every rank is here)
-                values = [None] * world
-                dist.all_gather_object(values, transport_name, group=group)
-            raise ValueError(
-                f"{what} differs between ranks ({_describe(what, values)} by rank); {fix}"
-            )
 
 
-_SAME = "every rank must pass the same"
-# what how_code holds, and the fix when it differs between ranks
-HOW = {
-    "x.shape[1] (K)": _SAME,
-    "x.dtype": _SAME,
-    "scaling_mode": _SAME,
-    "transport": _SAME + " kind of transport",
-    "transport setting": _SAME + " transport setting (e.g. CopyEngineTransport row_ranges)",
-    "x.requires_grad": (
-        "make x require grad on every rank or on none (the backward exchange waits for "
-        "every rank, and a rank that recorded no graph never joins it)"
-    ),
-}
+WHAT = "to_mxfp8_a2a_dequant"
+agreement._CHECK_EXTRA[WHAT] = _splits_agree
 
 
-def how_code(k: int, x: torch.Tensor, scaling_mode: str, transport: Transport) -> tuple:
-    """What the collective's byte counts (and whether a backward exchange follows) depend
-    on, as ints for check_all_ranks: K, dtype, scaling mode, transport class and setting,
-    whether a graph is recorded. A setting outside [0, 2**62) is a ValueError."""
-    setting = transport.setting()
-    if type(setting) is not int or not 0 <= setting < MAX_ROWS:
-        raise ValueError(
-            f"transport.setting() of {type(transport).__name__} must be an int in [0, 2**62), "
-            f"got {setting!r}"
-        )
-    cls = type(transport)
-    kind = zlib.crc32(f"{cls.__module__}.{cls.__qualname__}".encode())
-    grad = int(torch.is_grad_enabled() and x.requires_grad)
-    return (k, _DTYPES.index(x.dtype), SCALING_MODES.index(scaling_mode), kind, setting, grad)
-
-
-def _describe(what: str, values: list) -> list:
-    if what == "x.dtype":
-        return [str(_DTYPES[v]) for v in values]
-    if what == "scaling_mode":
-        return [SCALING_MODES[v] for v in values]
-    if what == "x.requires_grad":
-        return [bool(v) for v in values]
-    return values
+def check_all_ranks(
+    error: Exception | None,
+    output_splits: list[int],
+    input_splits: list[int],
+    group: dist.ProcessGroup | None,
+    world: int,
+    terms: str,
+    x: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """Validation: one all_gather of every rank's agreement row (the splits beside its
+    terms, or its error); every rank raises alike. Every rank must call it. Under
+    torch.compile (``x`` given) the traced gather and a checking op: returns x through
+    that op, to be exchanged."""
+    if error is None:
+        status, text, extra = agreement.FINE, terms, [*input_splits, *output_splits]
+    else:
+        status, text, extra = agreement.status_of(error), str(error), [0] * (2 * world)
+    if x is not None:
+        return agreement.agree_compiled(WHAT, status, text, extra, group, x)
+    agreement.agree(WHAT, status, text, extra, group, _splits_agree)
+    return None

@@ -7,36 +7,38 @@ the expert outputs back and sums them with the router weights in the original to
 Autograd flows through both (the exchanges' backward is the reverse exchange).
 
 Collectives and host syncs: ``dispatch`` makes one small all-to-all of per-expert counts
-and one host sync to read the splits that all_to_all_single needs, then the exchange. With
-the counts each rank sends two int64 more: an error flag and what every rank's exchange
-must agree on (hidden size, dtype, exchange, transport, whether x records a graph), so that
-bad arguments on one rank, or ranks that disagree, raise the same ValueError on every rank
-before any exchange (only then a second collective brings the bad rank's message). The
-splits come from that all-to-all, so they agree across ranks by construction.
-``combine`` has no host sync and no collective besides its exchange.
+and one host sync to read the splits that all_to_all_single needs, then the exchange. The
+counts message has a fixed size (DISPATCH_INLINE_COUNTS count columns per rank, whatever
+num_experts is) and starts with each rank's agreement word (exchange/agreement.py: an error
+status and a digest of num_experts, hidden size, dtype, exchange, transport and whether x
+records a graph), so that bad arguments on one rank, or ranks that disagree, raise the
+same ValueError on every rank before any exchange (only then a second collective brings
+the messages). With more local experts than that, the counts follow in a second all-to-all
+(and host sync), once the ranks are known to agree. The splits come from the counts, so
+they agree across ranks by construction. ``combine`` has no host sync and no collective
+besides its exchange.
 
-Every rank of the group must call dispatch and combine alike (and run the backward alike),
-with the same ``num_experts`` (it sets the size of the counts all-to-all: a rank with
-another one makes that collective fail).
+Every rank of the group must call dispatch and combine alike (and run the backward alike).
 """
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
+from .. import _config
+from ..exchange import agreement
 from ..exchange.api import to_mxfp8_a2a_dequant
-from ..exchange.checks import comm_device, device_error, group_rank_and_size, raise_on_every_rank
+from ..exchange.checks import comm_device, device_error, group_rank_and_size, transport_terms
 from ..exchange.plain import all_to_all_rows
 from ..exchange.transport import Transport, resolve
 from .rows import take_rows
 from .slot_sum import slot_sum
 
 EXCHANGES = ("mxfp8", "bf16")
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # else code 0
 
 
 def exchange_rows(
@@ -115,59 +117,14 @@ def _local_error(x, topk_ids, num_experts, world, exchange, group) -> str | None
     return None
 
 
-# what every rank's exchange must agree on, sent beside the counts in two int64 columns:
-# _agreement's packed word (fields from the least significant: name, width, fix when it
-# differs between ranks) and a 32-bit code of the transport's class and setting
-_AGREE = (
-    ("x.requires_grad", 2, "make x require grad on every rank or on none (else the "
-     "backward exchange waits for ranks that recorded no graph)"),
-    ("exchange", 2, "pass the same exchange on every rank"),
-    ("x.dtype", 8, "pass x in the same dtype on every rank"),
-    ("x.shape[1] (hidden)", None, "pass the same hidden size on every rank"),
-)  # fmt: skip
-
-
-def _agreement(x: torch.Tensor, exchange: str, transport: Transport) -> tuple[int, int]:
-    """(hidden / dtype / exchange / grad packed in one word, the transport's code): the crc32
-    of its module, class name and setting; 0 for "bf16", which takes no transport."""
-    dtype = _DTYPES.index(x.dtype) + 1 if x.dtype in _DTYPES else 0
-    grad = int(torch.is_grad_enabled() and x.requires_grad)
-    word = ((x.shape[1] * 8 + dtype) * 2 + EXCHANGES.index(exchange)) * 2 + grad
-    if exchange != "mxfp8":
-        return word, 0
-    cls = type(transport)
-    kind = f"{cls.__module__}.{cls.__qualname__}:{transport.setting()!r}"
-    return word, zlib.crc32(kind.encode())
-
-
-def _fields(value: int) -> list[int]:
-    out = []
-    for _, width, _ in _AGREE:
-        out.append(value % width if width else value)
-        value //= width or 1
-    return out
-
-
-def _check_agreement(values: list[tuple[int, int]]) -> None:
-    """Raise if the ranks' _agreement values differ (every rank sees them all)."""
-    if len(set(values)) == 1:
-        return
-    per_rank = [_fields(v[0]) for v in values]
-    for i, (what, _, fix) in reversed(list(enumerate(_AGREE))):  # hidden size first
-        got = [f[i] for f in per_rank]
-        if len(set(got)) > 1:
-            if what == "x.dtype":
-                got = [str(_DTYPES[v - 1]) if v else "other" for v in got]
-            elif what == "exchange":
-                got = [EXCHANGES[v] for v in got]
-            elif what == "x.requires_grad":
-                got = [bool(v) for v in got]
-            raise ValueError(f"dispatch: {what} differs between ranks ({got} by rank); {fix}")
-    raise ValueError(
-        "dispatch: the transport (its class or settings) differs between ranks (codes by rank: "
-        f"{[v[1] for v in values]}); pass the same kind of transport, with the same "
-        "settings, on every rank"
-    )
+def _terms(x: torch.Tensor, num_experts: int, exchange: str, transport: Transport) -> str:
+    """What the counts and the exchanges depend on (agreement.py's terms text)."""
+    grad = torch.is_grad_enabled() and x.requires_grad
+    terms = {"num_experts": num_experts, "x.shape[1]": x.shape[1], "x.dtype": x.dtype}
+    terms["exchange"] = exchange
+    if exchange == "mxfp8":  # "bf16" takes no transport
+        terms |= transport_terms(transport)
+    return agreement.terms_text(terms | {"x.requires_grad": grad})
 
 
 def dispatch(
@@ -216,6 +173,7 @@ def dispatch_reporting(
     in the counts all-to-all (topk_ids may then be None)."""
     rank, world = group_rank_and_size(group)
     error: Exception | None = None
+    terms, flat, counts = "", None, None
     try:
         chosen = resolve(transport)
         problem = problem or _local_error(x, topk_ids, num_experts, world, exchange, group)
@@ -223,53 +181,58 @@ def dispatch_reporting(
             raise ValueError(problem)
         if exchange == "mxfp8":
             chosen.check(x.device, group)
-        agree = _agreement(x, exchange, chosen)
+        terms = _terms(x, num_experts, exchange, chosen)
     except Exception as e:  # every rank learns of it through the counts all-to-all
         error = e
-    # every rank sends world x (local + 2) counts, also a rank whose arguments are bad; the
-    # last two columns: 4 * agreement word + flag (0 fine, 1 ids out of range, 2 bad
-    # arguments), and the transport's code
-    local = max(num_experts // world, 1) if type(num_experts) is int else 1
+    # every rank sends every rank [its agreement word, INLINE counts]: the same size on
+    # every rank whatever its arguments; the word's status: 0 fine, 1 ids out of range
+    # (added on the device), 2 or 3 bad arguments
+    inline = _config.DISPATCH_INLINE_COUNTS
+    local = num_experts // world if error is None else 0
     dev = comm_device(group)
     if error is None:
         t, k = topk_ids.shape
         flat = topk_ids.reshape(-1).to(torch.int64)
         bad = ((flat < 0) | (flat >= num_experts)).any().reshape(1)
         # scatter_add, not bincount: on CUDA bincount reads the ids' min and max on the host
-        counts = flat.new_zeros(num_experts).scatter_add_(
-            0, flat.clamp(0, num_experts - 1), torch.ones_like(flat)
+        counts = (
+            flat.new_zeros(num_experts)
+            .scatter_add_(0, flat.clamp(0, num_experts - 1), torch.ones_like(flat))
+            .view(world, local)
         )
-        flag = bad.add(4 * agree[0]).expand(world, 1)  # bool + int: int64, one kernel
-        code = flag.new_full((world, 1), agree[1])  # a fill: no copy from the host
-        sent = torch.cat([counts.view(world, local), flag, code], 1).to(dev)
+        word = bad.add(agreement.word(agreement.FINE, terms)).expand(world, 1)  # one kernel
+        if local <= inline:
+            sent = torch.cat([word, F.pad(counts, (0, inline - local))], 1).to(dev)
+        else:  # (the counts follow)
+            sent = F.pad(word, (0, inline)).to(dev)
     else:
-        sent = torch.zeros(world, local + 2, dtype=torch.int64, device=dev)
-        sent[:, local] = 2
+        sent = torch.zeros(world, 1 + inline, dtype=torch.int64, device=dev)
+        sent[:, 0] = agreement.status_of(error)
     recv = torch.empty_like(sent)
-    dist.all_to_all_single(recv, sent, group=group)  # [src, local expert | flag, code]
-    flags_and_sizes = torch.cat(
-        [recv[:, local:].reshape(-1), sent[:, :local].sum(1), recv[:, :local].sum(1),
-         recv[:, :local].sum(0)]
-    )  # fmt: skip
-    sizes = flags_and_sizes.tolist()  # the host sync: all_to_all_single needs the splits
-    agreed, sizes = sizes[: 2 * world], sizes[2 * world :]
-    flags = [v % 4 for v in agreed[::2]]
-    if any(flags):  # the same on every rank: every rank received every rank's flag
-        if error is None and flags[rank] == 1:
-            ids = flat[(flat < 0) | (flat >= num_experts)]
-            error = ValueError(
-                f"topk_ids holds {ids.numel()} ids outside [0, num_experts={num_experts}) "
-                f"(from {ids.min().item()} to {ids.max().item()}); route to existing experts"
-            )
-        raise_on_every_rank("dispatch", error, group)
-    _check_agreement([(w // 4, c) for w, c in zip(agreed[::2], agreed[1::2], strict=True)])
+    dist.all_to_all_single(recv, sent, group=group)  # [source, word | counts]
+    if 0 < local <= inline:
+        recv_counts = recv[:, 1 : 1 + local]  # [source, local expert]
+        sizes = torch.cat(
+            [recv[:, 0], sent[:, 1:].sum(1), recv_counts.sum(1), recv_counts.sum(0)]
+        ).tolist()  # the host sync: all_to_all_single needs the splits
+    else:
+        sizes = recv[:, 0].tolist()  # (no counts yet)
+    words, sizes = sizes[:world], sizes[world:]
+    if len(set(words)) > 1 or words[0] % 4:  # the same on every rank: it has every word
+        _raise_on_every_rank(words[rank] % 4, error, terms, flat, num_experts, group)
+    if local > inline:  # the ranks agree on num_experts: the counts' own all-to-all
+        recv_counts = torch.empty_like(counts.to(dev))
+        dist.all_to_all_single(recv_counts, counts.to(dev), group=group)
+        sizes = torch.cat([counts.sum(1).to(dev), recv_counts.sum(1), recv_counts.sum(0)])
+        sizes = sizes.tolist()
     input_splits, output_splits = sizes[:world], sizes[world : 2 * world]
     per_expert = sizes[2 * world :]
-    recv_counts = recv[:, :local].reshape(-1).to(x.device)
     order = torch.sort(flat, stable=True).indices
     # received rows come as (source, expert) segments; regroup to (expert, source)
     seg = torch.repeat_interleave(
-        torch.arange(world * local, device=x.device), recv_counts, output_size=sum(output_splits)
+        torch.arange(world * local, device=x.device),
+        recv_counts.reshape(-1).to(x.device),
+        output_size=sum(output_splits),
     )  # output_size: without it CUDA reads the total on the host
     regroup = torch.sort((seg % local) * world + seg // local, stable=True).indices
     inverse_order, inverse_regroup = _inverse(order), _inverse(regroup)
@@ -277,12 +240,25 @@ def dispatch_reporting(
         take_rows(x, order // max(k, 1), inverse_order, k), output_splits, input_splits,
         group, exchange, chosen,
     )  # fmt: skip
-    offsets = recv[:, :local].sum(0).cumsum(0).to(device=x.device, dtype=torch.int32)
+    offsets = recv_counts.sum(0).cumsum(0).to(device=x.device, dtype=torch.int32)
     handle = DispatchHandle(
         order, inverse_order, regroup, inverse_regroup, input_splits, output_splits,
         offsets, k, t, x.shape[1], group, exchange, chosen,
     )  # fmt: skip
     return take_rows(rows, regroup, inverse_regroup), per_expert, handle
+
+
+def _raise_on_every_rank(status, error, terms, flat, num_experts, group) -> None:
+    """Some rank's word says bad arguments or ids, or the words differ: gather every rank's
+    message or terms (agreement.py) and raise the same error on every rank."""
+    if error is None and status == agreement.BAD_VALUES:
+        ids = flat[(flat < 0) | (flat >= num_experts)]
+        error = ValueError(
+            f"topk_ids holds {ids.numel()} ids outside [0, num_experts={num_experts}) "
+            f"(from {ids.min().item()} to {ids.max().item()}); route to existing experts"
+        )
+    text = terms if error is None else str(error)
+    agreement.agree("dispatch", status, text, [], group)
 
 
 def _check_combine(expert_y, topk_weights, handle: DispatchHandle, exchange) -> None:
