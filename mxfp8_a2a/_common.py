@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -48,12 +49,17 @@ def eager_or_op(op, impl, x: torch.Tensor):
 # policies see the custom ops through them): torch's private accessor where it exists; without
 # it (a torch that lacks it) the modes are not seen and eager calls skip the ops regardless
 _dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
+# MXFP8_A2A_DISPATCHER=1 in the environment (read at import): eager calls go through the
+# custom ops as well (the A/B of scripts/host_path_ab.py)
+_BYPASS = os.environ.get("MXFP8_A2A_DISPATCHER") != "1"
 
 
 def runs_eagerly(x: torch.Tensor) -> bool:
     """A plain tensor (or Parameter), outside torch.compile / torch.export / torch.jit.trace
     and with no torch dispatch mode active (eager_or_op)."""
-    if type(x) not in _PLAIN_TENSORS or torch.compiler.is_compiling() or torch.jit.is_tracing():
+    if not _BYPASS or type(x) not in _PLAIN_TENSORS:
+        return False
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
         return False
     return _dispatch_modes is None or _dispatch_modes() == 0
 
