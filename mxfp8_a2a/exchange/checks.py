@@ -163,6 +163,9 @@ def exchange_terms(k: int, x: torch.Tensor, scaling_mode: str, transport: Transp
     return agreement.terms_text(terms | transport_terms(transport) | {"x.requires_grad": grad})
 
 
+WHAT = "to_mxfp8_a2a_dequant"
+
+
 def _splits_agree(rows: list[list[int]]) -> None:
     """Every rank's [word, *input_splits, *output_splits, ...] rows: rank a sends rank b as
     many rows as b expects from a."""
@@ -172,14 +175,13 @@ def _splits_agree(rows: list[list[int]]) -> None:
             sent, expected = rows[src][1 + dst], rows[dst][1 + world + src]
             if sent != expected:
                 raise ValueError(
-                    f"splits disagree: rank {src} sends {sent} rows to rank {dst} "
+                    f"{WHAT}: splits disagree: rank {src} sends {sent} rows to rank {dst} "
                     f"(input_splits[{dst}] on rank {src}) but rank {dst} expects {expected} "
                     f"(output_splits[{src}] on rank {dst}); compute output_splits with "
                     "compute_output_splits(input_splits)"
                 )
 
 
-WHAT = "to_mxfp8_a2a_dequant"
 agreement._CHECK_EXTRA[WHAT] = _splits_agree
 
 

@@ -23,6 +23,7 @@ Every rank of the group must call dispatch and combine alike (and run the backwa
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -67,7 +68,8 @@ class DispatchHandle:
     (expert, source rank); inverse_regroup: its inverse. input_splits / output_splits: rows
     sent to / received from each rank. expert_offsets: int32 [L], end offset of each local
     expert's rows in dispatch's output (what grouped GEMMs take). top_k, num_tokens, hidden:
-    for the final sum. exchange, transport: how the rows move.
+    for the final sum. exchange, transport: how the rows move. dispatch_id: which dispatch
+    (see :func:`mark_output`).
     """
 
     order: torch.Tensor
@@ -83,6 +85,37 @@ class DispatchHandle:
     group: dist.ProcessGroup | None
     exchange: str
     transport: str | Transport = "nccl"
+    dispatch_id: int = 0
+
+
+_dispatch_ids = itertools.count(1)
+_OWNER = "_mxfp8_a2a_dispatch_id"
+
+
+def mark_output(out: torch.Tensor) -> int:
+    """A new dispatch id, also set on ``out`` (the dispatch's output rows) as an attribute, so
+    that combine can tell when it is given another dispatch's rows (:func:`check_owner`).
+    0 (no mark) under torch.compile, where tensors take no attributes."""
+    if torch.compiler.is_compiling():
+        return 0
+    dispatch_id = next(_dispatch_ids)
+    setattr(out, _OWNER, dispatch_id)
+    return dispatch_id
+
+
+def check_owner(expert_y: torch.Tensor, dispatch_id: int, what: str) -> None:
+    """A ValueError if ``expert_y`` is the output of a dispatch other than the handle's.
+    Rows computed from a dispatch's output carry no mark (an attribute does not follow
+    through operations): only a dispatch's own output tensor is told apart. Host-only (no
+    sync, nothing under CUDA graph capture); skipped under torch.compile."""
+    if torch.compiler.is_compiling():
+        return
+    owner = getattr(expert_y, _OWNER, None)
+    if owner is not None and dispatch_id and owner != dispatch_id:
+        raise ValueError(
+            f"expert_y is the output of another {what} (number {owner} in this process) than "
+            f"the handle's (number {dispatch_id}); pass the handle returned with these rows"
+        )
 
 
 def _inverse(perm: torch.Tensor) -> torch.Tensor:
@@ -241,11 +274,12 @@ def dispatch_reporting(
         group, exchange, chosen,
     )  # fmt: skip
     offsets = recv_counts.sum(0).cumsum(0).to(device=x.device, dtype=torch.int32)
+    out = take_rows(rows, regroup, inverse_regroup)
     handle = DispatchHandle(
         order, inverse_order, regroup, inverse_regroup, input_splits, output_splits,
-        offsets, k, t, x.shape[1], group, exchange, chosen,
+        offsets, k, t, x.shape[1], group, exchange, chosen, mark_output(out),
     )  # fmt: skip
-    return take_rows(rows, regroup, inverse_regroup), per_expert, handle
+    return out, per_expert, handle
 
 
 def _raise_on_every_rank(status, error, terms, flat, num_experts, group) -> None:
@@ -288,6 +322,7 @@ def _check_combine(expert_y, topk_weights, handle: DispatchHandle, exchange) -> 
         )
     if exchange is not None and exchange not in EXCHANGES:
         raise ValueError(f"exchange must be None or one of {EXCHANGES}, got {exchange!r}")
+    check_owner(expert_y, handle.dispatch_id, "dispatch")
 
 
 def combine(
@@ -309,7 +344,9 @@ def combine(
         [T, H] in expert_y's dtype: out[t] = sum_j topk_weights[t, j] * y(t, expert j).
     Every rank of the group must call combine after its dispatch (it is a collective). A
     bad argument (expert_y with more or fewer rows than dispatch returned, another width,
-    topk_weights of the wrong shape, dtype or device) raises a ValueError on this rank
+    the output of another dispatch than the handle's (:func:`check_owner`: the tensor
+    dispatch returned, not rows computed from it), topk_weights of the wrong shape, dtype
+    or device) raises a ValueError on this rank
     before any collective; the other ranks then wait in combine's exchange until this
     rank's process ends (gloo and NCCL then fail them) or the process group's timeout:
     there is no cross-rank check here (it would cost a collective).

@@ -45,7 +45,7 @@ from ..exchange.checks import _all_gather as all_gather
 from ..exchange.checks import group_rank_and_size
 from ..exchange.plain import HAS_FUNCOL, funcol
 from . import static_rows as rows_ops
-from .dispatch import _local_error
+from .dispatch import _local_error, check_owner, mark_output
 
 STAT_NAMES = ("dropped", "needed_capacity", "invalid_ids")
 
@@ -74,6 +74,7 @@ class StaticHandle:
     expert_offsets: int32 [L] end offsets of the experts' blocks (aligned).
     stats: int64 [3] of this rank: rows dropped, the capacity that would have kept every row
     (the most rows it routed to one rank), ids outside [0, num_experts) (STAT_NAMES).
+    dispatch_id: which dispatch (dispatch.mark_output; combine_static checks expert_y).
     """
 
     rows_of: torch.Tensor
@@ -87,6 +88,7 @@ class StaticHandle:
     group: dist.ProcessGroup | None
     exchange: str
     scaling_mode: str
+    dispatch_id: int = 0
 
 
 def _all_to_all(t: torch.Tensor, group) -> torch.Tensor:
@@ -276,7 +278,7 @@ def dispatch_static(
     )
     handle = StaticHandle(
         rows_of, src_row, out_row, offs, stats, capacity, x.shape[1], x.dtype, group,
-        exchange, scaling_mode,
+        exchange, scaling_mode, mark_output(out),
     )  # fmt: skip
     return out, offs, handle
 
@@ -302,6 +304,7 @@ def combine_static(
         raise ValueError(
             f"expert_y must be [{n}, {h}] (dispatch_static's output shape), got {_desc(expert_y)}"
         )
+    check_owner(expert_y, handle.dispatch_id, "dispatch_static")
     if expert_y.dtype != handle.dtype or expert_y.device != handle.rows_of.device:
         raise ValueError(
             f"expert_y must be {handle.dtype} on {handle.rows_of.device} (as dispatch_static's "
