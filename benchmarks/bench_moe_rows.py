@@ -1,7 +1,7 @@
 """Dispatch's and combine's row movement, forward+backward, without the exchange: torch
 indexing (``x[index]``, whose backward is index_put_ with accumulate, and a broadcast
 multiply and sum over the top-k slots) against the package's ``take_rows`` and
-``slot_sum`` (mxfp8_a2a/moe/rows.py, slot_sum.py).
+``slot_sum`` (mxfp8_a2a/moe/permute.py, slot_sum.py).
 
     python benchmarks/bench_moe_rows.py [--shape 8192x8x2048 ...] [--iters 30] [--json out.json]
 
@@ -22,7 +22,7 @@ import time
 import torch
 from common import report, warm_gpu
 
-from mxfp8_a2a.moe.rows import take_rows
+from mxfp8_a2a.moe.permute import take_rows
 from mxfp8_a2a.moe.slot_sum import slot_sum
 
 DEFAULT_SHAPES = ["8192x8x2048", "4096x8x7168"]  # bench_moe_layer.py's per-rank shapes

@@ -36,7 +36,7 @@ from ..exchange.api import to_mxfp8_a2a_dequant
 from ..exchange.checks import comm_device, device_error, group_rank_and_size, transport_terms
 from ..exchange.plain import all_to_all_rows
 from ..exchange.transport import Transport, resolve
-from .rows import take_rows
+from .permute import take_rows
 from .slot_sum import slot_sum
 
 EXCHANGES = ("mxfp8", "bf16")

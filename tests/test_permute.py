@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import KERNEL_DEVICES, assert_sum_within_rounding, fresh_generator
 
-from mxfp8_a2a.moe.rows import take_rows
+from mxfp8_a2a.moe.permute import take_rows
 
 
 def _perm(n, g, device):
