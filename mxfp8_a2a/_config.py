@@ -119,6 +119,10 @@ STATIC_ROWS_NUM_WARPS = 4  # as fast as 2 warps at tile 1024; 8 at tile 4096 no 
 INTERPRET_STATIC_ROWS_TILE = 4096  # one program for most test calls: the interpreter's cost
 # is per program (test_static_rows.py shrinks it, to run several along the rows)
 INTERPRET_STATIC_ROWS_BLOCK_H = 64  # small: tests of 96 and 160 columns run several tiles
+# The static dispatch's plan kernels (moe/static_plan.py), not swept (each launch is a few us):
+STATIC_PLAN_TILE = 4096  # elements x buckets per program of the send plan: 32 int32 per thread
+STATIC_PLAN_BLOCK = 1024  # rows per program of the elementwise plan kernels: 8 per thread
+STATIC_PLAN_NUM_WARPS = 4  # the one-program kernels hold [W, L] tables only
 
 
 class RowBlockTiling(NamedTuple):

@@ -46,6 +46,8 @@ from ..exchange.checks import group_rank_and_size
 from ..exchange.plain import HAS_FUNCOL, funcol
 from . import static_rows as rows_ops
 from .dispatch import _local_error, check_owner, mark_output
+from .static_plan import receive_plan, send_plan
+from .static_plan import static_rows as static_rows  # (public here)
 
 STAT_NAMES = ("dropped", "needed_capacity", "invalid_ids")
 
@@ -56,12 +58,6 @@ def capacity_for(num_tokens: int, top_k: int, world: int, capacity_factor: float
     if not capacity_factor > 0:
         raise ValueError(f"capacity_factor must be > 0, got {capacity_factor!r}")
     return math.ceil(capacity_factor * num_tokens * top_k / world)
-
-
-def static_rows(capacity: int, world: int, num_local: int, align: int) -> int:
-    """Rows of static dispatch's output: the most that W * capacity received rows take once
-    each of the L experts' blocks is rounded up to ``align``."""
-    return (world * capacity + num_local * (align - 1)) // align * align
 
 
 @dataclass
@@ -102,76 +98,6 @@ def _all_to_all(t: torch.Tensor, group) -> torch.Tensor:
     out = torch.empty_like(t)
     dist.all_to_all_single(out, t.contiguous(), group=group)
     return out
-
-
-def _rank_in_bucket(key: torch.Tensor, buckets: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(position of each element among the elements of its bucket, in index order; count of
-    each bucket) for key int64 [N] in [0, buckets). A stable sort of int32 keys (half the
-    radix passes of int64) and bucket bounds by binary search: no atomics, which would pile
-    up on a few buckets."""
-    sorted_keys, order = torch.sort(key.to(torch.int32), stable=True)
-    edges = torch.arange(buckets + 1, dtype=torch.int32, device=key.device)
-    bounds = torch.searchsorted(sorted_keys, edges)  # first element of each bucket
-    rank_sorted = torch.arange(key.numel(), device=key.device) - bounds[sorted_keys]
-    return torch.empty_like(key).scatter_(0, order, rank_sorted), bounds.diff()
-
-
-def send_plan(
-    topk_ids: torch.Tensor, num_experts: int, world: int, capacity: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """From topk_ids [T, k], on the device: rows_of int64 [T, k] (send-buffer row, -1 if
-    dropped), sent int64 [W, L] (rows kept per destination rank and local expert), stats
-    int64 [3] (StaticHandle.stats). The send buffer holds destination d's rows at
-    [d * capacity, d * capacity + sum(sent[d])), grouped by local expert, token-major within."""
-    t, k = topk_ids.shape
-    local = num_experts // world
-    flat = topk_ids.reshape(-1).to(torch.int64)
-    valid = (flat >= 0) & (flat < num_experts)
-    dest = torch.where(valid, flat // local, world)  # bucket W: invalid ids
-    pos, per_dest = _rank_in_bucket(dest, world + 1)
-    kept = valid & (pos < capacity)
-    key = torch.where(kept, flat, num_experts)  # bucket E: not sent
-    rank_in_expert, per_expert = _rank_in_bucket(key, num_experts + 1)
-    start = per_expert.cumsum(0) - per_expert  # kept rows of experts before e, this rank
-    first = torch.arange(num_experts, device=flat.device) // local * local
-    in_block = start[:num_experts] - start[first]  # expert e's offset in its rank's block
-    e = flat.clamp(0, num_experts - 1)
-    row = dest.clamp(max=world - 1) * capacity + in_block[e] + rank_in_expert
-    rows_of = torch.where(kept, row, -1).view(t, k)
-    n_kept = per_expert[:num_experts].sum()
-    invalid = per_dest[world]
-    needed = per_dest[:world].max() if world else per_dest.new_zeros(())
-    stats = torch.stack([t * k - invalid - n_kept, needed, invalid])
-    return rows_of, per_expert[:num_experts].view(world, local), stats
-
-
-def receive_plan(
-    recv: torch.Tensor, capacity: int, align: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """From recv int64 [W, L] (rows from source s for local expert l), on the device:
-    src_row int64 [N], out_row int64 [W * capacity] and the int32 [L] end offsets (see
-    StaticHandle), N = static_rows(capacity, W, L, align)."""
-    world, local = recv.shape
-    n_out = static_rows(capacity, world, local, align)
-    per_expert = recv.sum(0)
-    padded = (per_expert + align - 1) // align * align
-    ends = padded.cumsum(0)
-    block = ends - padded  # where expert l's block starts
-    from_src = recv.cumsum(0) - recv  # rows of l from sources before s
-    in_src = recv.cumsum(1)  # inclusive: end of expert l's rows in source s's block
-    q = torch.arange(capacity, device=recv.device).expand(world, capacity).contiguous()
-    lid = torch.searchsorted(in_src, q, right=True)  # local expert of each received row
-    used = lid < local
-    lc = lid.clamp(max=local - 1)
-    s = torch.arange(world, device=recv.device)[:, None]
-    out = block[lc] + from_src[s, lc] + q - (in_src[s, lc] - recv[s, lc])
-    out_row = torch.where(used, out, -1).reshape(-1)
-    # unused receive rows land in slots of their own past n_out (stores to one shared slot
-    # would pile up on one address)
-    i = torch.arange(world * capacity, device=recv.device)
-    src = torch.full((n_out + world * capacity,), -1, dtype=torch.int64, device=recv.device)
-    src.scatter_(0, torch.where(out_row < 0, n_out + i, out_row), i)
-    return src[:n_out], out_row, ends.to(torch.int32)
 
 
 class _Dispatch(torch.autograd.Function):
