@@ -44,14 +44,12 @@ import argparse
 import contextlib
 import sys
 import time
-from unittest import mock
 
 import torch
 import torch.distributed as dist
 from common import median, sqnr_db, versions, warm_gpu, write_json
 from tabulate import tabulate
 
-import mxfp8_a2a.moe.layer as layer_module
 from mxfp8_a2a._torchrun import init_from_torchrun
 from mxfp8_a2a.moe import capacity_for, combine, combine_static, dispatch, dispatch_static
 from mxfp8_a2a.moe.layer import ExpertParallelMoE, route
@@ -98,18 +96,10 @@ def parse_shape(text: str) -> tuple[int, int, int, int, int]:
     return tokens, hidden, top_k, experts, ffn
 
 
-def _meta_weights(hidden, ffn, num_experts, seed):
-    """Stand-in for init_moe_weights: no host tensors of every expert's weights (at 7168 x
-    2048 x 32 experts per rank that is GBs per rank); the benchmark fills the local ones."""
-    shapes = {"router": (hidden, num_experts), "w1": (num_experts, hidden, ffn)}
-    shapes["w2"] = (num_experts, ffn, hidden)
-    return {k: torch.empty(s, device="meta") for k, s in shapes.items()}
-
-
 def make_layer(hidden, ffn, experts, top_k, device) -> ExpertParallelMoE:
     world = dist.get_world_size()
-    with mock.patch.object(layer_module, "init_moe_weights", _meta_weights):
-        layer = ExpertParallelMoE(hidden, ffn, experts * world, top_k)
+    # built on "meta", filled here on the device: faster than drawing on the host
+    layer = ExpertParallelMoE(hidden, ffn, experts * world, top_k, device="meta")
     layer = layer.to_empty(device=device)
     torch.manual_seed(0)  # the router is replicated: the same on every rank
     with torch.no_grad():

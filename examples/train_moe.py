@@ -6,12 +6,15 @@
 
 Each rank draws its own batches (fixed seed); the target is a fixed random teacher network.
 The model is a stack of residual MoE layers (mxfp8_a2a.ExpertParallelMoE) with experts
-spread over the ranks; replicated parameters (routers, output head) have their gradients
-averaged with all_reduce. --exchange picks dispatch/combine's exchange, --precision the
-experts' grouped GEMMs (fp8_rowwise: FP8 on sm_90+ GPUs, its plain-torch reference on CPU),
---dtype the activations' dtype (parameters and the optimizer stay fp32; the loss is taken
-in fp32). NCCL on GPUs, gloo on CPU. Prints the loss (mean over ranks) as it goes and, last,
-``final loss: <value>``, the mean over the last tenth of the steps; --json writes the curve.
+spread over the ranks, trained data-parallel the public way: --wrap ddp (default)
+prepares it with mx.prepare_ddp and wraps it in DistributedDataParallel (routers and head
+averaged by DDP, each rank's experts left to it); --wrap fsdp2 shards the experts with
+mx.shard_experts and the rest with fully_shard. --exchange picks dispatch/combine's
+exchange, --precision the experts' grouped GEMMs (fp8_rowwise: FP8 on sm_90+ GPUs, its
+plain-torch reference on CPU), --dtype the activations' dtype (parameters and the
+optimizer stay fp32; the loss is taken in fp32). NCCL on GPUs, gloo on CPU. Prints the loss
+(mean over ranks) as it goes and, last, ``final loss: <value>``, the mean over the last
+tenth of the steps; --json writes the curve.
 Before that it prints the loss on held-out tokens (the same in every run), averaged over those
 steps, twice: with the run's own exchange and precision, and with bf16 exchanges and experts
 (the trained weights' quality without the FP8 forward's rounding noise).
@@ -25,6 +28,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 import mxfp8_a2a as mx
 from mxfp8_a2a import ExpertParallelMoE
@@ -111,6 +115,7 @@ def main() -> None:
         default="nccl",
         help="how the MXFP8 exchanges move rows (copy_engine: two ranks on CUDA GPUs)",
     )
+    p.add_argument("--wrap", choices=("ddp", "fsdp2"), default="ddp", help="data parallelism")
     p.add_argument("--precision", choices=PRECISIONS, default="bf16", help="experts' GEMMs")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="activations")
     p.add_argument("--tokens", type=int, default=256, help="tokens per rank per step")
@@ -131,8 +136,16 @@ def main() -> None:
 
     device = init_from_torchrun()
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = TinyMoE(args).to(device)
-    replicated = [model.head] + [layer.router for layer in model.layers]
+    net = model = TinyMoE(args).to(device)
+    if args.wrap == "ddp":  # every rank's experts its own, the rest averaged by DDP
+        mx.prepare_ddp(net)
+        model = torch.nn.parallel.DistributedDataParallel(net)
+    else:  # experts sharded over the ranks that hold them (here: one each), the rest over all
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(device.type, (1, world), mesh_dim_names=("dp", "ep"))
+        mx.shard_experts(net, mesh["dp"])
+        fully_shard(net, mesh=init_device_mesh(device.type, (world,)))
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     data = torch.Generator().manual_seed(args.seed * 7919 + rank)
     held_out = torch.Generator().manual_seed(10**6 + rank)  # the same tokens in every run
@@ -147,19 +160,14 @@ def main() -> None:
         pred = model(x.to(DTYPES[args.dtype])).float()
         loss = torch.nn.functional.mse_loss(pred, teacher(x, args.seed, args.out))
         opt.zero_grad(set_to_none=True)
-        loss.backward()
-        for param in model.parameters():  # the objective is the mean of the ranks' losses
-            if param.grad is not None:
-                if any(param is r for r in replicated):
-                    dist.all_reduce(param.grad)
-                param.grad /= world
+        loss.backward()  # gradients of the mean of the ranks' losses
         opt.step()
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         mean = mean.item() / world
         curve.append(mean)
         if step > args.steps - tail_steps:
-            for name, value in evaluate(model, x_eval, y_eval, args, world).items():
+            for name, value in evaluate(net, x_eval, y_eval, args, world).items():
                 evals[name] += value / tail_steps
         if rank == 0 and (step % args.log_every == 0 or step == 1):
             print(
@@ -167,7 +175,8 @@ def main() -> None:
                 flush=True,
             )
     if rank == 0:
-        print(f"eval loss ({args.exchange} exchange, {args.precision} experts): {evals['own']:.6f}")
+        own = f"exchange={args.exchange}, precision={args.precision}, {args.dtype} activations"
+        print(f"eval loss ({own}): {evals['own']:.6f}")
         plain = f"plain {args.dtype} exchange, unscaled {args.dtype} experts"
         print(f"eval loss ({plain}): {evals['bf16']:.6f}")
         if args.json:
@@ -176,7 +185,7 @@ def main() -> None:
                 json.dump(record, f)
         tail = curve[-tail_steps:]
         print(f"final loss: {sum(tail) / len(tail):.6f}", flush=True)
-    for layer in model.layers:  # a CopyEngineTransport owns symmetric memory: free it
+    for layer in net.layers:  # a CopyEngineTransport owns symmetric memory: free it
         if isinstance(layer.transport, mx.CopyEngineTransport):
             layer.transport.close()
     dist.destroy_process_group()

@@ -7,7 +7,9 @@ Layers (one subpackage each):
     exchange  -- to_mxfp8_a2a_dequant (differentiable MXFP8 all-to-all),
                  compute_output_splits; transports: "nccl" (default), CopyEngineTransport
     moe       -- dispatch, combine, ExpertParallelMoE; dispatch_static, combine_static
-                 (sync-free, fixed shapes), capacity_for, static_rows, check_no_drops
+                 (sync-free, fixed shapes), capacity_for, static_rows, check_no_drops;
+                 prepare_ddp, shard_experts (data parallelism), full_state_dict,
+                 load_full_state_dict (checkpoints across group sizes)
     grouped   -- per_group_colwise_scales, per_group_rowwise_scales (FP8 scaling of jagged
                  tensors for grouped GEMMs), grouped_mm (the experts' grouped GEMMs),
                  fp8_rowwise_weights / Fp8Weights (its FP8 weight casts, made once)
@@ -49,6 +51,10 @@ from .moe import (
     combine_static,
     dispatch,
     dispatch_static,
+    full_state_dict,
+    load_full_state_dict,
+    prepare_ddp,
+    shard_experts,
     static_rows,
 )
 
@@ -70,16 +76,20 @@ __all__ = [
     "dispatch",
     "dispatch_static",
     "fp8_rowwise_weights",
+    "full_state_dict",
+    "load_full_state_dict",
     "grouped_mm",
     "pack",
     "packed_row_bytes",
     "per_group_colwise_scales",
     "per_group_rowwise_scales",
+    "prepare_ddp",
     "quantize",
     "quantize_dequantize",
     "quantize_dequantize_reference",
     "quantize_packed",
     "quantize_reference",
+    "shard_experts",
     "static_rows",
     "to_mxfp8_a2a_dequant",
     "unpack",

@@ -84,14 +84,14 @@ def _layer_reuse(rank, world):
     with layer.fp8_weight_reuse():
         with torch.inference_mode():
             layer.experts(x, offs)
-        assert layer._fp8_weights == {} and len(casts) == 4
+        assert layer.experts._fp8_weights == {} and len(casts) == 4
         for _ in range(2):
             got = layer.experts(x, offs)
             torch.testing.assert_close(got, want, rtol=0, atol=0)
             got.sum().backward()
         assert len(casts) == 6  # w1 and w2 once each for both micro-batches
         layer.experts(x.bfloat16(), offs)  # another activation dtype: its own casts
-        assert casts[6:] == [torch.bfloat16] * 2 and len(layer._fp8_weights) == 4
+        assert casts[6:] == [torch.bfloat16] * 2 and len(layer.experts._fp8_weights) == 4
         with pytest.raises(RuntimeError, match="already active"):
             with layer.fp8_weight_reuse():
                 pass
@@ -99,11 +99,11 @@ def _layer_reuse(rank, world):
             layer.w1.mul_(0.5)  # an optimizer step inside the block
         with pytest.raises(ValueError, match="w1 changed"):
             layer.experts(x, offs)
-    assert layer._fp8_weights is None
+    assert layer.experts._fp8_weights is None
     layer.precision = "bf16"
     with layer.fp8_weight_reuse():
         layer.experts(x, offs)
-        assert layer._fp8_weights == {}  # nothing cast for bf16
+        assert layer.experts._fp8_weights == {}  # nothing cast for bf16
 
 
 def _bad_layer(rank, world):

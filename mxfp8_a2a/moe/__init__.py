@@ -1,8 +1,10 @@
 """Expert-parallel MoE on the exchange: dispatch/combine (host-synced, or static-shape and
-sync-free), and a layer built on them."""
+sync-free), a layer built on them, and its data parallelism and checkpoints."""
 
 from .dispatch import EXCHANGES, DispatchHandle, combine, dispatch
+from .experts import GroupedExperts
 from .layer import ExpertParallelMoE, route
+from .parallel import full_state_dict, load_full_state_dict, prepare_ddp, shard_experts
 from .static_dispatch import (
     StaticHandle,
     capacity_for,
@@ -16,6 +18,7 @@ __all__ = [
     "EXCHANGES",
     "DispatchHandle",
     "ExpertParallelMoE",
+    "GroupedExperts",
     "StaticHandle",
     "capacity_for",
     "check_no_drops",
@@ -23,6 +26,10 @@ __all__ = [
     "combine_static",
     "dispatch",
     "dispatch_static",
+    "full_state_dict",
+    "load_full_state_dict",
+    "prepare_ddp",
     "route",
+    "shard_experts",
     "static_rows",
 ]

@@ -1,11 +1,10 @@
 """ExpertParallelMoE: a MoE layer on dispatch/combine (softmax top-k router, gelu expert MLPs).
 
 A real layer, not only an example: the training script and the MoE benchmark build on it.
-Its experts run as two grouped GEMMs (:func:`mxfp8_a2a.grouped_mm`) over the rows dispatch
-returns, with dispatch's end offsets on the device (no per-expert host list; on CUDA with
-bf16 activations or precision="fp8_rowwise" nothing reads them on the host). Its weights are
-drawn for all experts from one seed and sliced, so every world size builds the same model
-(tests compare against a single-process definition).
+Its experts (:class:`GroupedExperts`, this rank's share only) run as two grouped GEMMs
+(:func:`mxfp8_a2a.grouped_mm`) over the rows dispatch returns, with dispatch's end offsets on
+the device. Each expert is drawn from its own generator (seed, global index), so every world
+size builds the same model (tests compare against a single-process definition).
 """
 
 from __future__ import annotations
@@ -15,12 +14,12 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from ..exchange.transport import Transport
-from ..grouped import gemm as grouped_mm_module
-from ..grouped.fp8_rowwise import Fp8Weights, fp8_rowwise_weights
-from ..grouped.gemm import PRECISIONS, grouped_mm
+from ..grouped.gemm import PRECISIONS
 from .dispatch import EXCHANGES, combine, dispatch, dispatch_reporting
+from .experts import GroupedExperts, draw_expert
 from .static_dispatch import STAT_NAMES, capacity_for, combine_static, dispatch_static
 
 
@@ -32,21 +31,32 @@ def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]
 
 
 class ExpertParallelMoE(torch.nn.Module):
-    """A MoE layer with experts spread over the ranks of ``group``.
+    """A MoE layer with experts spread over the ranks of ``group`` (a ProcessGroup or a 1-D
+    DeviceMesh; default: the world).
 
-    router: a Parameter [hidden, num_experts] (logits = x @ router, no bias), the same on
-    every rank (its gradient is this rank's tokens' only: sum it over the ranks); experts:
-    this rank's L = num_experts / world experts, gelu MLPs hidden -> ffn -> hidden, weights
-    w1 [L, hidden, ffn] and w2 [L, ffn, hidden]. Forward: x [..., hidden] -> the same shape
-    (leading dimensions flattened into tokens). ``exchange`` picks "mxfp8"
-    or "bf16" for dispatch and combine, ``transport`` how the MXFP8 exchanges move rows
-    ("nccl" or a Transport object, see :func:`dispatch`). ``precision`` picks the experts'
-    grouped GEMMs: "bf16" (unscaled, in the activations' dtype), "fp8_rowwise" (e4m3
-    operands with rowwise fp32 scales on sm_90+ GPUs, the plain-torch reference on CPU;
-    hidden and ffn multiples of 16) or "fp8_rowwise_gw_hp" (the same with the weights'
-    gradients unscaled in bf16; bf16 activations); see :func:`mxfp8_a2a.grouped_mm`.
-    Parameters are drawn from ``seed`` for all experts and sliced, so every world size builds
-    the same model.
+    Parameters: ``router`` [hidden, num_experts] (a Parameter; logits = x @ router, no bias),
+    meant to be the same on every rank; ``experts`` (:class:`GroupedExperts`): this rank's
+    L = num_experts / world experts only, gelu MLPs hidden -> ffn -> hidden, w1 [L, hidden,
+    ffn] and w2 [L, ffn, hidden] (also reachable as ``layer.w1`` / ``layer.w2``). They are
+    built on ``device`` in ``dtype`` (default fp32), in memory for the local experts only:
+    expert e is drawn from a generator seeded by (``seed``, e), the router from ``seed``.
+
+    Gradients are local: the router's from this rank's tokens, an expert's from every token
+    routed to it by the group. Under data parallelism the experts must not be averaged with
+    the other ranks' (different) experts: wrap the model with
+    :func:`mxfp8_a2a.moe.prepare_ddp` before DistributedDataParallel, or shard ``experts`` on
+    their own with FSDP2 (:func:`mxfp8_a2a.moe.shard_experts`); both make the update that of
+    the mean loss over all ranks. Checkpoints: ``state_dict()`` holds this rank's experts
+    (load it at the same group size); :func:`mxfp8_a2a.moe.full_state_dict` and
+    :func:`mxfp8_a2a.moe.load_full_state_dict` move a checkpoint between group sizes.
+
+    Forward: x [..., hidden] -> the same shape (leading dimensions flattened into tokens).
+    ``exchange`` picks "mxfp8" or "bf16" for dispatch and combine, ``transport`` how the
+    MXFP8 exchanges move rows ("nccl" or a Transport object, see :func:`dispatch`).
+    ``precision`` picks the experts' grouped GEMMs: "bf16" (unscaled, in the activations'
+    dtype), "fp8_rowwise" (e4m3 operands with rowwise fp32 scales on sm_90+ GPUs, the
+    plain-torch reference on CPU; hidden and ffn multiples of 16) or "fp8_rowwise_gw_hp" (the
+    same with the weights' gradients unscaled in bf16; bf16 activations).
 
     ``capacity_factor`` or ``capacity`` (rows per rank pair) switches to the static dispatch
     (:func:`mxfp8_a2a.dispatch_static`): no host sync, fixed shapes, so the layer's forward
@@ -54,8 +64,9 @@ class ExpertParallelMoE(torch.nn.Module):
     past the capacity are dropped (its docstring gives the rule). ``capacity_factor`` sets
     ceil(factor * T * top_k / W) from the T of each call (every rank must then pass the
     same T). ``align``: rows per expert block rounded up to it. The buffer
-    ``dispatch_stats`` (int64 [3], on the layer's device) accumulates the rows dropped, the
-    largest capacity needed and the ids out of range, without a sync;
+    ``dispatch_stats`` (int64 [4], on the layer's device) accumulates the rows dropped, the
+    largest capacity needed, the ids out of range and a num_experts that differs between
+    ranks (STAT_NAMES), without a sync;
     ``mx.check_no_drops(layer.dispatch_stats, group)`` reads it where the caller chooses.
     """
 
@@ -65,7 +76,7 @@ class ExpertParallelMoE(torch.nn.Module):
         ffn: int,
         num_experts: int,
         top_k: int,
-        group: dist.ProcessGroup | None = None,
+        group: dist.ProcessGroup | DeviceMesh | None = None,
         *,
         exchange: str = "mxfp8",
         transport: str | Transport = "nccl",
@@ -74,8 +85,20 @@ class ExpertParallelMoE(torch.nn.Module):
         capacity_factor: float | None = None,
         capacity: int | None = None,
         align: int = 16,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ):
         super().__init__()
+        if isinstance(group, DeviceMesh):
+            if group.ndim != 1:
+                raise ValueError(
+                    f"group: a DeviceMesh must be 1-D (the expert-parallel dimension, e.g. "
+                    f"mesh['ep']), got {group.ndim}-D"
+                )
+            group = group.get_group()
+        for name, value in (("hidden", hidden), ("ffn", ffn), ("num_experts", num_experts)):
+            if type(value) is not int or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if exchange not in EXCHANGES:
             raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
         if type(top_k) is not int or not 0 <= top_k <= num_experts:
@@ -106,16 +129,36 @@ class ExpertParallelMoE(torch.nn.Module):
             raise ValueError("the static dispatch (capacity_factor / capacity) runs over NCCL/gloo "
                              "only: leave transport='nccl'")  # fmt: skip
         self.capacity_factor, self.capacity, self.align = capacity_factor, capacity, align
-        self.register_buffer("dispatch_stats", torch.zeros(len(STAT_NAMES), dtype=torch.int64),
-                             persistent=False)  # fmt: skip
-        self.exchange, self.precision = exchange, precision
-        full = init_moe_weights(hidden, ffn, num_experts, seed)
-        local = slice(rank * num_experts // world, (rank + 1) * num_experts // world)
-        self.transport = transport
-        self.router = torch.nn.Parameter(full["router"])
-        self.w1 = torch.nn.Parameter(full["w1"][local].clone())
-        self.w2 = torch.nn.Parameter(full["w2"][local].clone())
-        self._fp8_weights: dict[tuple, tuple[tuple, Fp8Weights]] | None = None  # fp8_weight_reuse
+        self.register_buffer("dispatch_stats", torch.zeros(len(STAT_NAMES), dtype=torch.int64,
+                             device=device), persistent=False)  # fmt: skip
+        self.exchange, self.transport = exchange, transport
+        router = torch.empty(hidden, num_experts, device=device, dtype=dtype or torch.float32)
+        if router.device.type != "meta":
+            router.copy_(draw_router(hidden, num_experts, seed))
+        self.router = torch.nn.Parameter(router)
+        local = num_experts // world
+        self.experts = GroupedExperts(hidden, ffn, rank * local, local, precision=precision,
+                                      seed=seed, device=device, dtype=dtype)  # fmt: skip
+
+    @property
+    def precision(self) -> str:
+        return self.experts.precision
+
+    @precision.setter
+    def precision(self, value: str) -> None:
+        if value not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {value!r}")
+        self.experts.precision = value
+
+    @property
+    def w1(self) -> torch.nn.Parameter:
+        """This rank's experts' first weights [L, hidden, ffn] (``experts.w1``)."""
+        return self.experts.w1
+
+    @property
+    def w2(self) -> torch.nn.Parameter:
+        """This rank's experts' second weights [L, ffn, hidden] (``experts.w2``)."""
+        return self.experts.w2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., hidden] (floating, on the parameters' device) -> the same shape in x's
@@ -146,9 +189,10 @@ class ExpertParallelMoE(torch.nn.Module):
         ex, offs, handle = dispatch_static(
             x, ids, self.num_experts, cap, self.group, exchange=self.exchange, align=self.align
         )
-        with torch.no_grad():  # dropped and bad ids add up, the capacity needed is a max
+        with torch.no_grad():  # dropped and bad ids add up, the other two are maxima
             s, new = self.dispatch_stats, handle.stats
-            s.copy_(torch.stack([s[0] + new[0], torch.maximum(s[1], new[1]), s[2] + new[2]]))
+            added, peak = s[0::2] + new[0::2], torch.maximum(s[1::2], new[1::2])
+            s.copy_(torch.stack([added, peak], 1).view(-1))  # STAT_NAMES' order
         return combine_static(self.experts(ex, offs), weights, handle)
 
     def _input_error(self, x) -> str | None:
@@ -161,14 +205,6 @@ class ExpertParallelMoE(torch.nn.Module):
             return f"x is on {x.device}, the layer's parameters on {self.router.device}; move x"
         return None
 
-    def experts(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        """This rank's experts on x [N, hidden], rows grouped by local expert with end offsets
-        ``offs`` (int32 [L] on x's device): gelu(x @ w1[e]) @ w2[e], in x's dtype."""
-        w1, w2 = self.w1.to(x.dtype), self.w2.to(x.dtype)
-        h = grouped_mm(x, w1, offs, precision=self.precision, fp8_weights=self._reused("w1", w1))
-        h = torch.nn.functional.gelu(h)
-        return grouped_mm(h, w2, offs, precision=self.precision, fp8_weights=self._reused("w2", w2))
-
     @contextlib.contextmanager
     def fp8_weight_reuse(self) -> Iterator[None]:
         """For the micro-batches of one optimizer step (gradient accumulation): inside the
@@ -180,50 +216,29 @@ class ExpertParallelMoE(torch.nn.Module):
         has one; writes that bypass it, such as ``w.data.mul_()``, are not seen and leave the
         casts stale). Casts of each activation dtype are kept apart. No effect with
         precision="bf16", where the plain-torch reference runs (CPU, or torch without
-        _scaled_grouped_mm), under torch.compile or under torch.inference_mode.
+        a scaled grouped GEMM), under torch.compile or under torch.inference_mode.
 
             with layer.fp8_weight_reuse():
                 for batch in micro_batches:
                     loss_fn(layer(batch)).backward()
             optimizer.step()
         """
-        if self._fp8_weights is not None:
-            raise RuntimeError("ExpertParallelMoE.fp8_weight_reuse() is already active")
-        self._fp8_weights = {}
-        try:
+        with self.experts.fp8_weight_reuse():
             yield
-        finally:
-            self._fp8_weights = None
 
-    def _reused(self, name: str, w: torch.Tensor) -> Fp8Weights | None:
-        """The block's FP8 casts of parameter ``name`` (w: it in the activations' dtype)."""
-        if torch.compiler.is_compiling():  # first: no guard on the block's state
-            return None
-        if self._fp8_weights is None or torch.is_inference_mode_enabled():
-            return None  # (casts made in inference mode could not be saved for backward)
-        if grouped_mm_module.gemm_path(w, self.precision) != "scaled":
-            return None
-        param = getattr(self, name)
-        # torch's in-place counter (not public API; without it, only storage changes show)
-        seen = (param.data_ptr(), getattr(param, "_version", None))
-        key = (name, w.dtype, w.device)
-        if key not in self._fp8_weights:
-            self._fp8_weights[key] = seen, fp8_rowwise_weights(w)
-        was, fp8 = self._fp8_weights[key]
-        if was != seen:
-            raise ValueError(
-                f"ExpertParallelMoE: {name} changed (in place, or its storage) inside "
-                f"fp8_weight_reuse(), so its FP8 casts would be stale; step the optimizer after "
-                f"the block, not inside it"
-            )
-        return fp8
+
+def draw_router(hidden: int, num_experts: int, seed: int) -> torch.Tensor:
+    """The router of a layer built with ``seed``: fp32 [hidden, num_experts] on CPU."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(hidden, num_experts, generator=g) * hidden**-0.5
 
 
 def init_moe_weights(hidden: int, ffn: int, num_experts: int, seed: int) -> dict[str, torch.Tensor]:
-    """All experts' weights, fp32 on CPU: router [H, E], w1 [E, H, F], w2 [E, F, H]."""
-    g = torch.Generator().manual_seed(seed)
+    """All experts' weights as one rank of a group of one builds them, fp32 on CPU: router
+    [H, E], w1 [E, H, F], w2 [E, F, H] (the single-process definition tests compare to)."""
+    experts = [draw_expert(hidden, ffn, seed, e) for e in range(num_experts)]
     return {
-        "router": torch.randn(hidden, num_experts, generator=g) * hidden**-0.5,
-        "w1": torch.randn(num_experts, hidden, ffn, generator=g) * hidden**-0.5,
-        "w2": torch.randn(num_experts, ffn, hidden, generator=g) * ffn**-0.5,
+        "router": draw_router(hidden, num_experts, seed),
+        "w1": torch.stack([w1 for w1, _ in experts]),
+        "w2": torch.stack([w2 for _, w2 in experts]),
     }
