@@ -125,3 +125,26 @@ def handle_of_another_dispatch(rank, world, static):
         same_error(lambda y=y, h=h: combine(y, w, h), rf"expert_y is the output of another {what} ")
     for y, h in ((ex1, h1), (ex2, h2), (ex2 * 1, h2)):  # rows computed from it: no mark
         assert combine(y, w, h).shape == (t, 64)
+
+
+def static_num_experts_differ(rank, world):
+    """The static dispatch with num_experts that differs between ranks: the counts message
+    has one size, the rows between ranks that differ are dropped both ways (each rank keeps
+    its rows to itself, exact), and check_no_drops raises the same error on every rank."""
+    t, k = 6, 2
+    experts = world if rank == 0 else 2 * world  # rank 0 differs from every other rank
+    x = torch.randn(t, 64)
+    ids = torch.randint(0, experts, (t, k))
+    w = torch.rand(t, k)
+    ex, _, handle = mx.dispatch_static(x, ids, experts, t * k, exchange="bf16")
+    out = mx.combine_static(ex, w, handle)
+    mine = (ids // (experts // world) == 0) == (rank == 0)  # kept: rows to agreeing ranks
+    want = (w * mine).sum(1, keepdim=True) * x
+    torch.testing.assert_close(out, want)
+    assert handle.stats[0] == (~mine).sum() and handle.stats[3] == experts
+    same_error(
+        lambda: mx.check_no_drops(handle.stats),
+        rf"static dispatch: num_experts differs between ranks \(\[{world}, {2 * world}, ",
+    )
+    ex, _, handle = mx.dispatch_static(x, ids % world, world, t * k)
+    mx.check_no_drops(handle.stats)

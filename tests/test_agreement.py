@@ -12,6 +12,7 @@ from agreement_workers import (
     handle_of_another_dispatch,
     num_experts_differ,
     static_compiled_and_eager,
+    static_num_experts_differ,
 )
 from dist_utils import run_distributed
 
@@ -36,6 +37,10 @@ def test_static_dispatch_compiled_and_eager_ranks(monkeypatch):
 def test_num_experts_that_differs_raises_alike():
     """Case 3: the counts message has one size whatever num_experts is."""
     run_distributed(num_experts_differ, 2, timeout=HANG)
+
+
+def test_static_dispatch_with_num_experts_that_differs():
+    run_distributed(static_num_experts_differ, 3, timeout=HANG)
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["synced", "static"])

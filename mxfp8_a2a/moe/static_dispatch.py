@@ -25,11 +25,15 @@ starts at offs[l - 1] (0 for l = 0) and holds round_up(n_l, align) rows, the row
 zero; offs = int32 end offsets, what grouped_mm takes. The output has
 ``static_rows(capacity, W, L, align)`` rows; the rows past offs[-1] are zero too.
 
-Collectives: one all_to_all_single of W * L int64 counts, then one of the rows (fixed
-splits), forward; the rows' one backward. Every rank must pass the same num_experts,
-hidden size, dtype, exchange and capacity (they set the collectives' sizes; ranks that
-disagree are not detected here and may hang), and the same T when the capacity comes from
-:func:`capacity_for`.
+Collectives: one all_to_all_single of the counts, then one of the rows (fixed splits),
+forward; the rows' one backward. The counts message has one size whatever num_experts is
+(num_experts, then DISPATCH_INLINE_COUNTS count columns, or L if more): a rank
+drops the rows to and from ranks whose num_experts differs from its own and records it in
+its stats, so that :func:`check_no_drops` raises the same error on every rank (no sync
+here to raise it sooner). Every rank must pass the same hidden size, dtype, exchange and
+capacity (they set the rows' collective's size; ranks that disagree are not detected here
+and may hang), the same T when the capacity comes from :func:`capacity_for`, and, past
+DISPATCH_INLINE_COUNTS local experts, the same num_experts.
 """
 
 from __future__ import annotations
@@ -39,9 +43,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
+from .. import _config
 from .._common import check_scaling_mode
-from ..exchange.checks import _all_gather as all_gather
+from ..exchange.agreement import _all_gather as all_gather
 from ..exchange.checks import group_rank_and_size
 from ..exchange.plain import HAS_FUNCOL, funcol
 from . import static_rows as rows_ops
@@ -49,7 +55,7 @@ from .dispatch import _local_error, check_owner, mark_output
 from .static_plan import receive_plan, send_plan
 from .static_plan import static_rows as static_rows  # (public here)
 
-STAT_NAMES = ("dropped", "needed_capacity", "invalid_ids")
+STAT_NAMES = ("dropped", "needed_capacity", "invalid_ids", "num_experts_differs")
 
 
 def capacity_for(num_tokens: int, top_k: int, world: int, capacity_factor: float) -> int:
@@ -68,8 +74,9 @@ class StaticHandle:
     src_row: int64 [N], the receive-buffer row each output row came from, -1 for padding.
     out_row: int64 [W * capacity], the output row of each receive-buffer row, -1 if unused.
     expert_offsets: int32 [L] end offsets of the experts' blocks (aligned).
-    stats: int64 [3] of this rank: rows dropped, the capacity that would have kept every row
-    (the most rows it routed to one rank), ids outside [0, num_experts) (STAT_NAMES).
+    stats: int64 [4] of this rank: rows dropped, the capacity that would have kept every row
+    (the most rows it routed to one rank), ids outside [0, num_experts), and this rank's
+    num_experts if some rank's differed, else 0 (STAT_NAMES).
     dispatch_id: which dispatch (dispatch.mark_output; combine_static checks expert_y).
     """
 
@@ -137,6 +144,28 @@ class _Combine(torch.autograd.Function):
         return grad_y, grad_w.to(weights.dtype), None, None, None, None, None, None
 
 
+def _exchange_counts(rows_of, sent, stats, num_experts, capacity, group):
+    """The counts all-to-all: [W, 1 + max(INLINE, L)] whatever L is, column 0 num_experts
+    (itself, not dispatch's agreement word: its digest does not trace under torch.compile).
+    Returns rows_of without the rows to ranks whose num_experts differs, the counts
+    received [W, L] with those ranks' zeroed, and stats with the rows lost added to the
+    drops and num_experts in stats[3] if any rank differed."""
+    world, local = sent.shape
+    msg = F.pad(sent, (1, max(_config.DISPATCH_INLINE_COUNTS - local, 0)))
+    msg[:, 0] = num_experts
+    recv = _all_to_all(msg, group)
+    agree = recv[:, 0] == num_experts  # [source rank]
+    if capacity:  # rows to a rank that differs are not sent (nor read back by combine)
+        kept = rows_of.ge(0)
+        rows_of = torch.where(agree[rows_of.div(capacity, rounding_mode="floor")], rows_of, -1)
+        lost = kept.sum() - rows_of.ge(0).sum()
+    else:
+        lost = stats.new_zeros(())
+    differs = (~agree).any() * num_experts
+    stats = torch.stack([stats[0] + lost, stats[1], stats[2], differs])
+    return rows_of, recv[:, 1 : 1 + local] * agree[:, None], stats
+
+
 def _desc(t) -> str:
     if isinstance(t, torch.Tensor):
         return f"{t.dtype} {tuple(t.shape)} on {t.device}"
@@ -197,7 +226,8 @@ def dispatch_static(
     _, world = group_rank_and_size(group)
     _check(x, topk_ids, num_experts, world, capacity, align, exchange, scaling_mode, group)
     rows_of, sent, stats = send_plan(topk_ids, num_experts, world, capacity)
-    recv = _all_to_all(sent.to(x.device), group)  # [source, local expert]
+    rows_of, recv, stats = _exchange_counts(rows_of, sent.to(x.device), stats, num_experts,
+                                            capacity, group)  # fmt: skip
     src_row, out_row, offs = receive_plan(recv, capacity, align)
     out = _Dispatch.apply(
         x, rows_of, src_row, out_row, world * capacity, group, exchange, scaling_mode
@@ -253,13 +283,19 @@ def combine_static(
 def check_no_drops(stats: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
     """Raise the same ValueError on every rank if any rank dropped rows or met bad ids.
 
-    stats: int64 [3] (StaticHandle.stats, or a sum of them, e.g. ExpertParallelMoE's
+    stats: int64 [4] (StaticHandle.stats, or a sum of them, e.g. ExpertParallelMoE's
     ``dispatch_stats``). A collective and a host sync: call it where the caller chooses (e.g.
     every N steps), on every rank."""
     _, world = group_rank_and_size(group)
     gathered = torch.empty(world * stats.numel(), dtype=stats.dtype, device=stats.device)
     all_gather(gathered, stats.contiguous(), group=group)
     per_rank = gathered.view(world, -1).tolist()
+    if any(r[3:] and r[3] for r in per_rank):
+        raise ValueError(
+            f"static dispatch: num_experts differs between ranks ({[r[3] for r in per_rank]} "
+            "by rank, 0: agreed with every rank), and the rows between ranks that differ were "
+            "dropped; every rank must pass the same num_experts"
+        )
     if any(r[0] or r[2] for r in per_rank):
         needed = max(r[1] for r in per_rank)
         raise ValueError(
