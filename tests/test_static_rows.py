@@ -15,6 +15,7 @@ from helpers import KERNEL_DEVICES, fresh_generator, random_blocks, with_special
 
 from mxfp8_a2a import _config
 from mxfp8_a2a.exchange.rows import wire_row
+from mxfp8_a2a.moe import static_backward as skb
 from mxfp8_a2a.moe import static_kernels as sk
 
 # (mxfp8_a2a.moe's ``static_rows`` is static_dispatch's function of that name)
@@ -200,9 +201,9 @@ def test_which_path(device, monkeypatch):
     """bf16 / fp32 rows take the kernels, fp16 rows (and int32 indices) the references."""
     taken = []
     names = ("scatter_encode", "gather_encode", "gather_decode", "slot_sum_decode")
-    for name in (*names, "slot_sum_decode_backward"):
-        fn = getattr(sk, name)
-        monkeypatch.setattr(sk, name, lambda *a, _f=fn, _n=name: taken.append(_n) or _f(*a))
+    for mod, name in [(sk, n) for n in names] + [(skb, "slot_sum_decode_backward")]:
+        fn = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _f=fn, _n=name: taken.append(_n) or _f(*a))
     g = fresh_generator()
     for dt in (torch.bfloat16, torch.float32, torch.float16):
         x = rows_data(3, 32, dt, device, g)
@@ -236,7 +237,7 @@ def test_ops_pass_opcheck(device, wire):
         (sk.gather_decode_op, (buf, idx, h, torch.float32, wire)),
         (sk.slot_sum_decode_op, (buf, rows_of, w, h, torch.bfloat16, wire)),
         (sk.slot_sum_decode_op, (buf, rows_of, None, h, torch.bfloat16, wire)),
-        (sk.slot_sum_decode_backward_op, (x, buf, rows_of, w, t * k, wire, "rceil")),
+        (skb.slot_sum_decode_backward_op, (x, buf, rows_of, w, t * k, wire, "rceil")),
     ):
         torch.library.opcheck(op, args)
 

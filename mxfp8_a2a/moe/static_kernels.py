@@ -31,9 +31,11 @@ from .. import _config
 from .._common import cdiv, check_e4m3_gpu, hw_e8m0, next_pow2
 from ..exchange.rows import wire_row
 from ..formats.bits import (
+    e4m3_bits_to_fp32,
+    e8m0_from_amax_bits,
+    e8m0_rceil_hw,
     fp32_to_bf16,
-    mx_dequantize_blocks,
-    mx_quantize_blocks,
+    fp32_to_e4m3_bits,
     store_float,
     to_fp32,
 )
@@ -54,16 +56,21 @@ def wire_shape(rows: int, hidden: int, dtype: torch.dtype, wire: str) -> tuple[t
 
 
 @triton.jit
-def _lanes(first, h0, n_rows, hidden, BLOCK_T: tl.constexpr, NB: tl.constexpr, W: tl.constexpr):
+def _lanes(first, h0, n_rows, hidden, BLOCK_T: tl.constexpr, NB: tl.constexpr, W: tl.constexpr,
+           MX: tl.constexpr):  # fmt: skip
     """The lanes of rows [first, first + BLOCK_T) x columns [h0, h0 + NB * W): row (int64
     [L], L = BLOCK_T * NB), first column c0 [L], columns [L, W], lane mask [L] (row and c0
-    in range) and element mask [L, W]."""
+    in range) and element mask [L, W] (MX: [L, 1], a lane of 32 is in range or not: H % 32
+    == 0; one predicate per lane, not per value)."""
     lane = tl.arange(0, BLOCK_T * NB)
     row = first + lane // NB
     c0 = h0 + (lane % NB) * W
     cols = c0[:, None] + tl.arange(0, W)[None, :]
     lmask = (row < n_rows) & (c0 < hidden)
-    return row, c0, cols, lmask, lmask[:, None] & (cols < hidden)
+    if MX:
+        return row, c0, cols, lmask, lmask[:, None]
+    else:
+        return row, c0, cols, lmask, lmask[:, None] & (cols < hidden)
 
 
 @triton.jit
@@ -82,25 +89,67 @@ def _weight(w_ptr, i, mask, BF16: tl.constexpr, SOFT: tl.constexpr):
 
 
 @triton.jit
-def _load_wire(buf_ptr, row, c0, cols, mask, hidden, row_stride, MX: tl.constexpr,
-               BF16: tl.constexpr, SOFT: tl.constexpr):  # fmt: skip
-    """Lanes of wire rows ``row`` (int64 [L], -1: none -> zeros): MX the decoded values
-    rounded to the working dtype, as fp32 (what decoding into rows gives), else the raw
-    values."""
+def _wire_bytes(buf_ptr, row, c0, cols, mask, hidden, row_stride, MX: tl.constexpr):
+    """The raw lanes of wire rows ``row`` (int64 [L], -1: none -> zeros): MX (e4m3 bits
+    [L, W], scale bytes int32 [L]), else (values [L, W], c0)."""
     ok = row >= 0
     at = buf_ptr + row * row_stride
     if MX:
         u = tl.load(at[:, None] + cols, mask=mask & ok[:, None], other=0)
-        b = tl.load(at + hidden + c0 // 32, mask=ok, other=0).to(tl.int32)
-        return _rounded(mx_dequantize_blocks(u, b, SOFT), BF16, SOFT)
+        return u, tl.load(at + hidden + c0 // 32, mask=ok, other=0).to(tl.int32)
     else:
-        return tl.load(at[:, None] + cols, mask=mask & ok[:, None], other=0.0)
+        return tl.load(at[:, None] + cols, mask=mask & ok[:, None], other=0.0), c0
+
+
+@triton.jit
+def _decoded(u, b, MX: tl.constexpr, BF16: tl.constexpr, SOFT: tl.constexpr):
+    """_wire_bytes's lanes decoded: MX the values rounded to the working dtype, as fp32
+    (what decoding into rows gives), else the raw values."""
+    if MX:
+        return _rounded(_dequantize(u, b, SOFT), BF16, SOFT)
+    else:
+        return u
+
+
+@triton.jit
+def _load_wire(buf_ptr, row, c0, cols, mask, hidden, row_stride, MX: tl.constexpr,
+               BF16: tl.constexpr, SOFT: tl.constexpr):  # fmt: skip
+    """Lanes of wire rows ``row`` (int64 [L], -1: none -> zeros), decoded (_decoded)."""
+    u, b = _wire_bytes(buf_ptr, row, c0, cols, mask, hidden, row_stride, MX)
+    return _decoded(u, b, MX, BF16, SOFT)
+
+
+@triton.jit
+def _dequantize(u, b, SOFT: tl.constexpr):
+    """mx_dequantize_blocks's values in one multiply: e4m3 * f, f = 2^(b - 127) (2^-127 a
+    subnormal for b = 0) or NaN (b = 255). Exact: the e4m3 values are multiples of 2^-9
+    below 2^9, so every product is an fp32 (normal, subnormal, or rounded to inf alike)."""
+    f = tl.where(b == 255, 0x7FC00000, tl.where(b == 0, 0x00400000, b << 23))
+    return e4m3_bits_to_fp32(u, SOFT) * f.to(tl.float32, bitcast=True)[:, None]
 
 
 @triton.jit
 def _quantize(x, RCEIL: tl.constexpr, HW_E8M0: tl.constexpr, SOFT: tl.constexpr):
-    """Lanes of 32 values -> (e4m3 bits uint8 [L, 32], scale bytes uint8 [L])."""
-    q, b = mx_quantize_blocks(to_fp32(x, SOFT), RCEIL, HW_E8M0, SOFT)
+    """Lanes of 32 values -> (e4m3 bits uint8 [L, 32], scale bytes uint8 [L]), the bits of
+    mx_quantize_blocks with fewer instructions per value: x times one factor 2^(127 - b)
+    (2^-127 a subnormal for b = 254; NaN for b = 255, whose product is NaN) and, on the
+    GPU, the conversion's own saturation (to +-448, inf included) in place of the clamp.
+    The same e4m3 bits: where the one rounding of x * 2^(127 - b) differs from two exact
+    steps, the value is below 2^-126, an e4m3 zero of x's sign either way."""
+    x = to_fp32(x, SOFT)
+    amax_bits = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
+    if HW_E8M0 and RCEIL:
+        b = e8m0_rceil_hw(amax_bits.to(tl.float32, bitcast=True))
+        b = tl.where(amax_bits > 0x7F800000, 255, b)
+    else:
+        b = e8m0_from_amax_bits(amax_bits, RCEIL)
+    f = tl.where(b == 255, 0x7FC00000, tl.where(b == 254, 0x00400000, (254 - b) << 23))
+    y = x * f.to(tl.float32, bitcast=True)[:, None]
+    if SOFT:  # (the interpreter's casts neither round to nearest even nor saturate)
+        y = tl.where((b == 255)[:, None], float("nan"), tl.minimum(tl.maximum(y, -448.0), 448.0))
+        q = fp32_to_e4m3_bits(y, SOFT)
+    else:
+        q = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     return q, b.to(tl.uint8)
 
 
@@ -134,7 +183,7 @@ def _scatter_encode_kernel(
     rows_of int64 [n_tokens, K]; each tile read and encoded once, stored K times."""
     first = tl.program_id(0).to(tl.int64) * BLOCK_T
     h0 = tl.program_id(1) * (NB * W)
-    t, c0, cols, lmask, mask = _lanes(first, h0, n_tokens, hidden, BLOCK_T, NB, W)
+    t, c0, cols, lmask, mask = _lanes(first, h0, n_tokens, hidden, BLOCK_T, NB, W, MX)
     x = tl.load(x_ptr + t[:, None] * stride_x + cols, mask=mask, other=0.0)
     if MX:
         v, s = _quantize(x, RCEIL, HW_E8M0, SOFT)
@@ -154,7 +203,7 @@ def _gather_encode_kernel(
     """buf[i] = encode(y[index[i]]) (zeros where index[i] = -1) for i < n_out."""
     first = tl.program_id(0).to(tl.int64) * BLOCK_T
     h0 = tl.program_id(1) * (NB * W)
-    i, c0, cols, lmask, mask = _lanes(first, h0, n_out, hidden, BLOCK_T, NB, W)
+    i, c0, cols, lmask, mask = _lanes(first, h0, n_out, hidden, BLOCK_T, NB, W, MX)
     src = tl.load(index_ptr + i, mask=lmask, other=-1)
     x = tl.load(y_ptr + src[:, None] * stride_y + cols, mask=mask & (src >= 0)[:, None], other=0.0)
     if MX:
@@ -174,7 +223,7 @@ def _gather_decode_kernel(
     """out [n_out, hidden] (bf16/fp32): out[i] = decode(buf[index[i]]), zeros for -1."""
     first = tl.program_id(0).to(tl.int64) * BLOCK_T
     h0 = tl.program_id(1) * (NB * W)
-    i, c0, cols, lmask, mask = _lanes(first, h0, n_out, hidden, BLOCK_T, NB, W)
+    i, c0, cols, lmask, mask = _lanes(first, h0, n_out, hidden, BLOCK_T, NB, W, MX)
     src = tl.load(index_ptr + i, mask=lmask, other=-1)
     v = _load_wire(buf_ptr, src, c0, cols, mask, hidden, row_stride, MX, BF16, SOFT)
     at = out_ptr + i[:, None] * hidden + cols
@@ -194,7 +243,7 @@ def _slot_sum_decode_kernel(
     that hold a row (UNIT: w all 1), as slot_sum's forward kernel."""
     first = tl.program_id(0).to(tl.int64) * BLOCK_T
     h0 = tl.program_id(1) * (NB * W)
-    t, c0, cols, lmask, mask = _lanes(first, h0, n_tokens, hidden, BLOCK_T, NB, W)
+    t, c0, cols, lmask, mask = _lanes(first, h0, n_tokens, hidden, BLOCK_T, NB, W, MX)
     acc = tl.zeros([BLOCK_T * NB, W], dtype=tl.float32)
     for j in tl.static_range(K):
         row = tl.load(rows_of_ptr + t * K + j, mask=lmask, other=-1)
@@ -205,38 +254,6 @@ def _slot_sum_decode_kernel(
         else:
             acc += _weight(w_ptr, t * K + j, row >= 0, BF16, SOFT)[:, None] * r
     store_float(out_ptr + t[:, None] * hidden + cols, acc, mask, SOFT)
-
-
-@triton.jit
-def _slot_sum_decode_backward_kernel(
-    grad_ptr, buf_ptr, rows_of_ptr, w_ptr, out_ptr, part_ptr, n_tokens, hidden, row_stride,
-    out_stride, n_cb,
-    K: tl.constexpr, MX: tl.constexpr, RCEIL: tl.constexpr, HW_E8M0: tl.constexpr,
-    BF16: tl.constexpr, SOFT: tl.constexpr, BLOCK_T: tl.constexpr, NB: tl.constexpr,
-    W: tl.constexpr,
-):  # fmt: skip
-    """grad [n_tokens, hidden] -> out[rows_of[t, j]] = encode(w[t, j] * grad[t]) (product
-    rounded to the working dtype) and part fp32 [n_tokens, K, n_cb]: the dot product of
-    grad[t] and decode(buf[rows_of[t, j]]) over column block c (program (i, c)), summed over
-    the blocks by the launcher. Each tile of grad read once for the K slots."""
-    first = tl.program_id(0).to(tl.int64) * BLOCK_T
-    cb = tl.program_id(1)
-    t, c0, cols, lmask, mask = _lanes(first, cb * (NB * W), n_tokens, hidden, BLOCK_T, NB, W)
-    g = to_fp32(tl.load(grad_ptr + t[:, None] * hidden + cols, mask=mask, other=0.0), SOFT)
-    tt = first + tl.arange(0, BLOCK_T)
-    for j in tl.static_range(K):
-        row = tl.load(rows_of_ptr + t * K + j, mask=lmask, other=-1)
-        raw = _load_wire(buf_ptr, row, c0, cols, mask, hidden, row_stride, MX, BF16, SOFT)
-        part = tl.sum(tl.reshape(g * to_fp32(raw, SOFT), (BLOCK_T, NB * W)), axis=1)
-        tl.store(part_ptr + (tt * K + j) * n_cb + cb, part, mask=tt < n_tokens)
-        gr = _rounded(_weight(w_ptr, t * K + j, lmask, BF16, SOFT)[:, None] * g, BF16, SOFT)
-        if MX:
-            v, s = _quantize(gr, RCEIL, HW_E8M0, SOFT)
-        elif BF16:
-            v, s = fp32_to_bf16(gr, SOFT), c0
-        else:
-            v, s = gr, c0
-        _store_wire(out_ptr, row, c0, cols, mask, v, s, hidden, out_stride, MX)
 
 
 # ---------------------------------------------------------------------------- launchers
@@ -346,34 +363,6 @@ def slot_sum_decode(
     return out
 
 
-def slot_sum_decode_backward(
-    grad: Tensor, buf: Tensor, rows_of: Tensor, weights: Tensor, n_rows: int, wire: str,
-    scaling_mode: str,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """grad bf16/fp32 [T, H], buf (the forward's wire rows), rows_of int64 [T, k] (values
-    < n_rows), weights floating [T, k] -> (wire buffer [n_rows] with encode(w[t, j] *
-    grad[t]) at rows_of[t, j], others unwritten; grad_w fp32 [T, k], 0 where rows_of is -1)."""
-    (t, h), k = grad.shape, rows_of.shape[1]
-    shape, dtype = wire_shape(n_rows, h, grad.dtype, wire)
-    out = torch.empty(shape, dtype=dtype, device=grad.device)
-    if min(t, k, h, n_rows, buf.shape[0]) == 0:  # (without rows, every slot is -1)
-        return out, torch.zeros((t, k), dtype=torch.float32, device=grad.device)
-    soft = grad.device.type == "cpu"
-    bt, nb, w = _tile(h, t, wire == "mxfp8", soft)
-    n_cb = cdiv(h, nb * w)
-    part = torch.empty((t, k, n_cb), dtype=torch.float32, device=grad.device)
-    buf, rows_of = _unit_cols(buf), rows_of.contiguous()
-    args = (grad.contiguous(), buf, rows_of, _weights(weights, grad.dtype), out, part, t, h,
-            buf.stride(0), out.stride(0), n_cb)  # fmt: skip
-    consts = dict(K=k, **_consts(wire, grad.device, scaling_mode))
-    consts.update(BF16=grad.dtype == torch.bfloat16, SOFT=soft, BLOCK_T=bt, NB=nb, W=w)
-    launch(_slot_sum_decode_backward_kernel, (cdiv(t, bt), n_cb), args, consts,
-           _config.STATIC_ROWS_NUM_WARPS, enable_fp_fusion=False)  # fmt: skip
-    # (a sum over the column blocks, not atomics: the same bits in every run)
-    grad_w = part.sum(-1).masked_fill_(rows_of < 0, 0)
-    return out, grad_w
-
-
 # ---------------------------------------------------------------------------- custom ops
 
 
@@ -385,7 +374,6 @@ scatter_encode_op = _op("scatter_encode", scatter_encode)
 gather_encode_op = _op("gather_encode", gather_encode)
 gather_decode_op = _op("gather_decode", gather_decode)
 slot_sum_decode_op = _op("slot_sum_decode", slot_sum_decode)
-slot_sum_decode_backward_op = _op("slot_sum_decode_backward", slot_sum_decode_backward)
 
 
 @scatter_encode_op.register_fake
@@ -408,9 +396,3 @@ def _(buf, index, hidden, dtype, wire):
 @slot_sum_decode_op.register_fake
 def _(buf, rows_of, weights, hidden, dtype, wire):
     return buf.new_empty((rows_of.shape[0], hidden), dtype=dtype)
-
-
-@slot_sum_decode_backward_op.register_fake
-def _(grad, buf, rows_of, weights, n_rows, wire, scaling_mode):
-    shape, dtype = wire_shape(n_rows, grad.shape[1], grad.dtype, wire)
-    return grad.new_empty(shape, dtype=dtype), grad.new_empty(rows_of.shape, dtype=torch.float32)

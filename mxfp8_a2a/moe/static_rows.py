@@ -16,10 +16,11 @@ Decoded values are rounded to the output dtype before any arithmetic, and the su
 fp32 over j in order with one rounding: exactly what dequantizing into rows and then
 ``slot_sum`` / ``row_sums`` give. The ``*_reference`` functions are the plain-torch
 definitions; for bf16 and fp32 rows on CUDA (and on CPU under TRITON_INTERPRET=1) the public
-functions run the kernels of static_kernels.py instead, bit for bit the same (grad_w: equal
-within fp32 rounding, summed in another order), except that :func:`scatter_encode`'s and
-:func:`slot_sum_decode_backward`'s rows that no (token, slot) targets are left unwritten
-there (never read by the receiver). Other dtypes take the references.
+functions run the kernels of static_kernels.py and static_backward.py instead, bit for bit
+the same (grad_w: equal within fp32 rounding, summed in another order), except that
+:func:`scatter_encode`'s and :func:`slot_sum_decode_backward`'s rows that no (token, slot)
+targets are left unwritten there (never read by the receiver). Other dtypes take the
+references.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from ..exchange.rows import wire_row
 from ..formats.dequantize import dequantize_reference
 from ..formats.packing import pack, packed_row_bytes, unpack
 from ..formats.quantize import quantize_reference
+from . import static_backward as skb
 from . import static_kernels as sk
 from .slot_sum import slot_sum_reference
 from .static_kernels import wire_shape
@@ -255,7 +257,7 @@ def slot_sum_decode_backward(
         and _weights_fit(weights, rows_of)
         and _decodes(buf, grad.dtype, wire, grad.shape[1], rows_of)
     ):
-        op = eager_or_op(sk.slot_sum_decode_backward_op, sk.slot_sum_decode_backward, grad)
+        op = eager_or_op(skb.slot_sum_decode_backward_op, skb.slot_sum_decode_backward, grad)
         return op(grad, buf, rows_of, weights, n_rows, wire, scaling_mode)
     return slot_sum_decode_backward_reference(
         grad, buf, rows_of, weights, n_rows, wire, scaling_mode
