@@ -148,3 +148,35 @@ def static_num_experts_differ(rank, world):
     )
     ex, _, handle = mx.dispatch_static(x, ids % world, world, t * k)
     mx.check_no_drops(handle.stats)
+
+
+def weight_changed_on_one_rank(rank, world, static):
+    """fp8_weight_reuse with a weight changed in place on rank 1 only (the CUDA FP8 path,
+    its GEMM emulated): the next call raises before its dispatch, on every rank for the
+    synced dispatch; for the static one on rank 1, whose peers then fail as its process
+    ends (returned: the outcome and its seconds)."""
+    import time
+
+    from emulated_gemm import _emulated_op
+    from grouped_mm_data import fr, gm
+
+    fr._scaled_gmm = _emulated_op  # (this process only)
+    gm.gemm_path = lambda x, precision: "scaled" if precision == "fp8_rowwise" else "loop"
+    kw = {"capacity": 48} if static else {}
+    layer = mx.ExpertParallelMoE(64, 32, 2 * world, 2, precision="fp8_rowwise", **kw)
+    x = torch.randn(24, 64)
+    with layer.fp8_weight_reuse():
+        layer(x).sum().backward()
+        if rank == 1:
+            with torch.no_grad():
+                layer.w1.mul_(0.5)  # an optimizer step inside the block, on one rank
+        match = r"w1 changed \(in place, or its storage\) inside fp8_weight_reuse\(\)"
+        if not static:
+            same_error(lambda: layer(x), r"dispatch: bad arguments on rank\(s\) \[1\] .*" + match)
+            return None
+        start = time.monotonic()
+        try:
+            layer(x).sum().backward()
+            return "ok", "", time.monotonic() - start
+        except Exception as e:
+            return type(e).__name__, str(e)[:300], time.monotonic() - start

@@ -13,6 +13,7 @@ from agreement_workers import (
     num_experts_differ,
     static_compiled_and_eager,
     static_num_experts_differ,
+    weight_changed_on_one_rank,
 )
 from dist_utils import run_distributed
 
@@ -47,3 +48,17 @@ def test_static_dispatch_with_num_experts_that_differs():
 def test_combine_refuses_the_rows_of_another_dispatch(static):
     """Case 4: a handle knows which dispatch it belongs to."""
     run_distributed(handle_of_another_dispatch, 2, static, timeout=HANG)
+
+
+def test_weight_changed_in_place_on_one_rank_raises_before_dispatch():
+    """Case 5, synced dispatch: the same error on every rank, no rank left waiting."""
+    run_distributed(weight_changed_on_one_rank, 2, False, timeout=HANG)
+
+
+def test_weight_changed_in_place_on_one_rank_static():
+    """Case 5, static dispatch (no sync to tell the peers): rank 1 raises before any
+    collective of the call; rank 0 fails as soon as rank 1's process ends."""
+    outcomes = run_distributed(weight_changed_on_one_rank, 2, True, timeout=HANG, finish=False)
+    (status0, _, seconds0), (status1, message1, _) = outcomes
+    assert status1 == "ValueError" and "w1 changed" in message1, outcomes
+    assert status0 == "RuntimeError" and seconds0 < 30, outcomes

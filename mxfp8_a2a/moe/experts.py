@@ -101,20 +101,29 @@ class GroupedExperts(torch.nn.Module):
             return None  # (casts made in inference mode could not be saved for backward)
         if grouped_mm_module.gemm_path(w, self.precision) != "scaled":
             return None
-        param = getattr(self, name)
-        # torch's in-place counter (not public API; without it, only storage changes show)
-        seen = (param.data_ptr(), getattr(param, "_version", None))
         key = (name, w.dtype, w.device)
         if key not in self._fp8_weights:
-            self._fp8_weights[key] = seen, fp8_rowwise_weights(w)
-        was, fp8 = self._fp8_weights[key]
-        if was != seen:
-            raise ValueError(
-                f"ExpertParallelMoE: {name} changed (in place, or its storage) inside "
-                f"fp8_weight_reuse(), so its FP8 casts would be stale; step the optimizer after "
-                f"the block, not inside it"
-            )
-        return fp8
+            self._fp8_weights[key] = self._seen(name), fp8_rowwise_weights(w)
+        if (problem := self.stale_fp8_casts()) is not None:
+            raise ValueError(problem)
+        return self._fp8_weights[key][1]
+
+    def _seen(self, name: str) -> tuple:
+        param = getattr(self, name)
+        # torch's in-place counter (not public API; without it, only storage changes show)
+        return param.data_ptr(), getattr(param, "_version", None)
+
+    def stale_fp8_casts(self) -> str | None:
+        """What is wrong with fp8_weight_reuse's casts (a weight changed since its cast), or
+        None. Host-only: ExpertParallelMoE asks before its dispatch."""
+        for (name, *_), (seen, _) in (self._fp8_weights or {}).items():
+            if seen != self._seen(name):
+                return (
+                    f"ExpertParallelMoE: {name} changed (in place, or its storage) inside "
+                    f"fp8_weight_reuse(), so its FP8 casts would be stale; step the optimizer "
+                    f"after the block, not inside it"
+                )
+        return None
 
 
 class _ScaleGrad(torch.autograd.Function):

@@ -212,9 +212,11 @@ class ExpertParallelMoE(torch.nn.Module):
         those casts (``fp8_rowwise_weights``, 2 bytes per weight element, held until the block
         ends) instead of casting them again in every forward and backward. The results are
         the same bits. Step the optimizer after the block: a weight changed in place inside
-        it raises ValueError at its next use (seen through its version counter, where torch
+        it raises ValueError at the layer's next call, before its dispatch: on every rank for
+        the host-synced dispatch (no rank is left waiting), on this rank for the static one
+        (as for a bad x). Changes are seen through the weight's version counter, where torch
         has one; writes that bypass it, such as ``w.data.mul_()``, are not seen and leave the
-        casts stale). Casts of each activation dtype are kept apart. No effect with
+        casts stale. Casts of each activation dtype are kept apart. No effect with
         precision="bf16", where the plain-torch reference runs (CPU, or torch without
         a scaled grouped GEMM), under torch.compile or under torch.inference_mode.
 
@@ -223,8 +225,25 @@ class ExpertParallelMoE(torch.nn.Module):
                     loss_fn(layer(batch)).backward()
             optimizer.step()
         """
-        with self.experts.fp8_weight_reuse():
-            yield
+        hook = self.register_forward_pre_hook(_check_fp8_casts)
+        try:
+            with self.experts.fp8_weight_reuse():
+                yield
+        finally:
+            hook.remove()
+
+
+def _check_fp8_casts(layer: ExpertParallelMoE, args: tuple) -> None:
+    """fp8_weight_reuse's check before a call's dispatch: stale casts raise on every rank
+    (through dispatch, which the other ranks are in) or, for the static dispatch, here."""
+    if torch.compiler.is_compiling() or (problem := layer.experts.stale_fp8_casts()) is None:
+        return
+    if layer.static:
+        raise ValueError(problem)
+    x = args[0] if args else None
+    dispatch_reporting(
+        x, None, layer.num_experts, layer.group, layer.exchange, layer.transport, problem
+    )
 
 
 def draw_router(hidden: int, num_experts: int, seed: int) -> torch.Tensor:
