@@ -117,17 +117,18 @@ def _bucket(ids_ptr, i, n, num_experts, B: tl.constexpr):
 
 
 @triton.jit
-def _count_kernel(ids_ptr, hist_ptr, n, num_experts, C: tl.constexpr, B: tl.constexpr):
-    """hist int32 [chunks, B]: the elements of each bucket in each chunk."""
+def _count_kernel(ids_ptr, hist_ptr, n, n_chunks, num_experts, C: tl.constexpr, B: tl.constexpr):
+    """hist int32 [B, chunks]: the elements of each bucket in each chunk (bucket-major, so
+    that the running sums over chunks scan the last dimension)."""
     c = tl.program_id(0)
     b = _bucket(ids_ptr, c.to(tl.int64) * C + tl.arange(0, C), n, num_experts, B)
     cols = tl.arange(0, B)
-    tl.store(hist_ptr + c * B + cols, tl.sum((b[:, None] == cols[None, :]).to(tl.int32), 0))
+    tl.store(hist_ptr + cols * n_chunks + c, tl.sum((b[:, None] == cols[None, :]).to(tl.int32), 0))
 
 
 @triton.jit
-def _rank_kernel(ids_ptr, hist_ptr, cum_ptr, rows_ptr, cut_ptr, n, num_experts, local, capacity,
-                 C: tl.constexpr, B: tl.constexpr):  # fmt: skip
+def _rank_kernel(ids_ptr, hist_ptr, cum_ptr, rows_ptr, cut_ptr, n, n_chunks, num_experts, local,
+                 capacity, C: tl.constexpr, B: tl.constexpr):  # fmt: skip
     """rows int64 [n]: each kept element's rank among the elements of its expert (-1 if not
     kept); cut int32 [B]: for each destination that overflows, its experts' kept counts,
     written by its first dropped element (the one at position ``capacity``)."""
@@ -135,7 +136,8 @@ def _rank_kernel(ids_ptr, hist_ptr, cum_ptr, rows_ptr, cut_ptr, n, num_experts, 
     i = c.to(tl.int64) * C + tl.arange(0, C)
     b = _bucket(ids_ptr, i, n, num_experts, B)
     cols = tl.arange(0, B)
-    prefix = tl.load(cum_ptr + c * B + cols) - tl.load(hist_ptr + c * B + cols)
+    at = cols * n_chunks + c
+    prefix = tl.load(cum_ptr + at) - tl.load(hist_ptr + at)  # earlier chunks' elements
     onehot = (b[:, None] == cols[None, :]).to(tl.int32)
     before = prefix[None, :] + tl.cumsum(onehot, 0) - onehot  # [C, B]: earlier elements of e
     same_dest = ((cols // local)[None, :] == (b // local)[:, None]) & (cols < num_experts)[None, :]
@@ -149,23 +151,22 @@ def _rank_kernel(ids_ptr, hist_ptr, cum_ptr, rows_ptr, cut_ptr, n, num_experts, 
 
 
 @triton.jit
-def _finish_kernel(cum_ptr, cut_ptr, sent_ptr, base_ptr, stats_ptr, n, last, num_experts,
-                   world, local, capacity, B: tl.constexpr, WP: tl.constexpr,
-                   LP: tl.constexpr):  # fmt: skip
+def _finish_kernel(cum_ptr, cut_ptr, sent_ptr, base_ptr, stats_ptr, n, n_chunks, num_experts,
+                   world, local, capacity, WP: tl.constexpr, LP: tl.constexpr):  # fmt: skip
     """One program: sent int64 [W, L], base int64 [E] (d * capacity plus the kept rows of
-    d's experts before e: expert e's first send-buffer row), stats int64 [3]. ``last``: the
-    last chunk's row of cum (the bucket totals)."""
+    d's experts before e: expert e's first send-buffer row), stats int64 [3]. cum's last
+    column holds the bucket totals."""
     w = tl.arange(0, WP)[:, None]
     e = w * local + tl.arange(0, LP)[None, :]
     ok = (w < world) & (tl.arange(0, LP)[None, :] < local)
-    total = tl.load(cum_ptr + last * B + e, mask=ok, other=0)
+    total = tl.load(cum_ptr + e * n_chunks + n_chunks - 1, mask=ok, other=0)
     n_d = tl.sum(total, 1)
     over = n_d > capacity
     kept = tl.where(over[:, None], tl.load(cut_ptr + e, mask=ok & over[:, None], other=0), total)
     base = w.to(tl.int64) * capacity + tl.cumsum(kept, 1) - kept
     tl.store(sent_ptr + e, kept.to(tl.int64), mask=ok)
     tl.store(base_ptr + e, base, mask=ok)
-    invalid = tl.load(cum_ptr + last * B + num_experts).to(tl.int64)
+    invalid = tl.load(cum_ptr + num_experts * n_chunks + n_chunks - 1).to(tl.int64)
     tl.store(stats_ptr, n - invalid - tl.sum(tl.sum(kept, 1), 0).to(tl.int64))
     tl.store(stats_ptr + 1, tl.max(n_d, 0).to(tl.int64))
     tl.store(stats_ptr + 2, invalid)
@@ -263,20 +264,23 @@ def send_plan_kernels(
     c, b = _send_tiles(num_experts)
     rows = torch.empty(n, dtype=torch.int64, device=dev)
     cut = torch.empty(b, dtype=torch.int32, device=dev)
+    chunks = max(cdiv(n, c), 1)
     if n:
-        hist = torch.empty((cdiv(n, c), b), dtype=torch.int32, device=dev)
-        launch(_count_kernel, hist.shape[0], (ids, hist, n, num_experts), dict(C=c, B=b),
+        hist = torch.empty((b, chunks), dtype=torch.int32, device=dev)
+        launch(_count_kernel, chunks, (ids, hist, n, chunks, num_experts), dict(C=c, B=b),
                _config.STATIC_PLAN_NUM_WARPS)  # fmt: skip
-        cum = torch.cumsum(hist, 0, dtype=torch.int32)
-        args = (ids, hist, cum, rows, cut, n, num_experts, local, capacity)
-        launch(_rank_kernel, hist.shape[0], args, dict(C=c, B=b), _config.STATIC_PLAN_NUM_WARPS)
+        # (along the last dimension: torch's scan over the first one runs one thread per
+        # column through every row, 90 us here on one H200)
+        cum = torch.cumsum(hist, 1, dtype=torch.int32)
+        args = (ids, hist, cum, rows, cut, n, chunks, num_experts, local, capacity)
+        launch(_rank_kernel, chunks, args, dict(C=c, B=b), _config.STATIC_PLAN_NUM_WARPS)
     else:
-        cum = torch.zeros((1, b), dtype=torch.int32, device=dev)
+        cum = torch.zeros((b, 1), dtype=torch.int32, device=dev)
     sent = torch.empty((world, local), dtype=torch.int64, device=dev)
     base = torch.empty(num_experts, dtype=torch.int64, device=dev)
     stats = torch.empty(3, dtype=torch.int64, device=dev)
-    args = (cum, cut, sent, base, stats, n, cum.shape[0] - 1, num_experts, world, local, capacity)
-    consts = dict(B=b, WP=next_pow2(world), LP=next_pow2(local))
+    args = (cum, cut, sent, base, stats, n, chunks, num_experts, world, local, capacity)
+    consts = dict(WP=next_pow2(world), LP=next_pow2(local))
     launch(_finish_kernel, 1, args, consts, _config.STATIC_PLAN_NUM_WARPS)
     if n:
         blk = _config.STATIC_PLAN_BLOCK
