@@ -49,13 +49,14 @@ def graph_us(fn, reps: int, iters: int) -> float:
     return statistics.median(times[2:])
 
 
-def _no_prefetch(fn, *args):
-    """fn(*args) with STATIC_BACKWARD_PREFETCH off (read at launch)."""
-    _config.STATIC_BACKWARD_PREFETCH = False
+def _backward_at(tile: int, prefetch: bool, *args):
+    """slot_sum_decode_backward(*args) at this tile and prefetch (read at launch)."""
+    saved = _config.STATIC_BACKWARD_TILES
+    _config.STATIC_BACKWARD_TILES = ((0, tile, prefetch),)
     try:
-        return fn(*args)
+        return sr.slot_sum_decode_backward(*args, "mxfp8")
     finally:
-        _config.STATIC_BACKWARD_PREFETCH = True
+        _config.STATIC_BACKWARD_TILES = saved
 
 
 def bench(text: str, reps: int, iters: int, tbs: float) -> list[dict]:
@@ -89,10 +90,12 @@ def bench(text: str, reps: int, iters: int, tbs: float) -> list[dict]:
         "slot_sum_decode_backward": (
             lambda: sr.slot_sum_decode_backward(grad, back, rows_of, w, n_send, "mxfp8"),
             tokens * row + 2 * kept * wire),
-        "slot_sum_decode_backward, no prefetch": (
-            lambda: _no_prefetch(sr.slot_sum_decode_backward, grad, back, rows_of, w, n_send,
-                                 "mxfp8"), tokens * row + 2 * kept * wire),
     }  # fmt: skip
+    for tile in (2048, 4096):  # the combine backward at other tiles, with and without prefetch
+        for pf in (True, False):
+            steps[f"slot_sum_decode_backward, tile {tile}{'' if pf else ', no prefetch'}"] = (
+                lambda t=tile, p=pf: _backward_at(t, p, grad, back, rows_of, w, n_send),
+                tokens * row + 2 * kept * wire)  # fmt: skip
     out = []
     for name, (fn, nbytes) in steps.items():
         us = graph_us(fn, reps, iters)

@@ -43,7 +43,10 @@ STATIC_ROWS_BLOCK_H = 2048  # 1024 at this tile: up to 12% slower (H = 2048, mxf
 STATIC_ROWS_NUM_WARPS = 4  # as fast as 2 warps at tile 1024; 8 at tile 4096 no faster
 INTERPRET_STATIC_ROWS_TILE = 4096  # one program for most test calls (per-program cost)
 INTERPRET_STATIC_ROWS_BLOCK_H = 64  # small: tests of 96 and 160 columns run several tiles
-STATIC_BACKWARD_PREFETCH = True  # next slot's row read a slot ahead: 11-15% faster at tile 2048
+# slot_sum_decode_backward (moe/static_backward.py): (least H, elements per program, next
+# slot's row read a slot ahead), the first that fits; H200 2026-12-04, us per call (H 7168 /
+# 2048): tile 2048 with prefetch 354 / 151, without 417 / 170; tile 4096: 332 / 194, 302 / 178
+STATIC_BACKWARD_TILES = ((4096, 4096, False), (0, 2048, True))
 # The static dispatch's plan kernels (moe/static_plan.py), not swept (each launch is a few us):
 STATIC_PLAN_TILE = 4096  # elements x buckets per program of the send plan: 32 int32 per thread
 STATIC_PLAN_BLOCK = 1024  # rows per program of the elementwise plan kernels: 8 per thread

@@ -167,6 +167,21 @@ def test_backward_matches_reference(device, dtype, wire, shape):
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("tiles", [((0, 2048, False),), ((0, 4096, True),)], ids=str)
+@pytest.mark.parametrize("wire", WIRES)
+def test_backward_tiles_and_prefetch(device, tiles, wire, monkeypatch):
+    """The combine backward at the other STATIC_BACKWARD_TILES choices: the same rows."""
+    monkeypatch.setattr(_config, "STATIC_BACKWARD_TILES", tiles)
+    t, k, h = 7, 3, 96
+    g = fresh_generator()
+    grad, buf, rows_of, w, n_rows = _backward_case(t, k, h, torch.bfloat16, wire, device, g, True)
+    got, _ = sr.slot_sum_decode_backward(grad, buf, rows_of, w, n_rows, wire)
+    want, _ = sr.slot_sum_decode_backward_reference(grad, buf, rows_of, w, n_rows, wire)
+    targeted = rows_of[rows_of >= 0]
+    same(got[targeted], want[targeted], f"{tiles}, seed {g.initial_seed()}")
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("wire", WIRES)
 def test_empty_sizes(device, wire):
     """T = 0, k = 0, n_rows = 0, R = 0, N = 0 and buffers without rows: no launch, the

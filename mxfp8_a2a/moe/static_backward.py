@@ -4,8 +4,9 @@ slot's row, and each slot's weight gradient (the dot product of the gradient row
 slot's decoded forward row).
 
 One program per tile of rows x columns reads its gradient tile once for the k slots; with
-STATIC_BACKWARD_PREFETCH the slots' wire rows are loaded one slot ahead (index and bytes),
-so that their latency overlaps the previous slot's encoding and stores. Each slot's dot
+prefetch (STATIC_BACKWARD_TILES: tile and prefetch by row width) the slots' wire rows are
+loaded one slot ahead (index and bytes), so that their latency overlaps the previous
+slot's encoding and stores. Each slot's dot
 product is summed within a lane of 32 columns, then over the lanes of a row (no reshape of
 the whole tile). The helpers, numbers and layers are static_kernels.py's.
 """
@@ -98,7 +99,8 @@ def slot_sum_decode_backward(
     if min(t, k, h, n_rows, buf.shape[0]) == 0:  # (without rows, every slot is -1)
         return out, torch.zeros((t, k), dtype=torch.float32, device=grad.device)
     soft = grad.device.type == "cpu"
-    bt, nb, w = _tile(h, t, wire == "mxfp8", soft)
+    elems, prefetch = next((e, p) for min_h, e, p in _config.STATIC_BACKWARD_TILES if h >= min_h)
+    bt, nb, w = _tile(h, t, wire == "mxfp8", soft, elems)
     n_cb = cdiv(h, nb * w)
     part = torch.empty((t, k, n_cb), dtype=torch.float32, device=grad.device)
     buf, rows_of = _unit_cols(buf), rows_of.contiguous()
@@ -106,7 +108,7 @@ def slot_sum_decode_backward(
             buf.stride(0), out.stride(0), n_cb)  # fmt: skip
     consts = dict(K=k, **_consts(wire, grad.device, scaling_mode))
     consts.update(BF16=grad.dtype == torch.bfloat16, SOFT=soft, BLOCK_T=bt, NB=nb, W=w,
-                  PREFETCH=_config.STATIC_BACKWARD_PREFETCH)  # fmt: skip
+                  PREFETCH=prefetch)  # fmt: skip
     # (fp fusion off: no FMA may round a product that the references round)
     launch(_slot_sum_decode_backward_kernel, (cdiv(t, bt), n_cb), args, consts,
            _config.STATIC_ROWS_NUM_WARPS, enable_fp_fusion=False)  # fmt: skip

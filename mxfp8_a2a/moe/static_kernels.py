@@ -260,13 +260,16 @@ def _slot_sum_decode_kernel(
 # Tensors in, new tensors out (checked by static_rows.py); no launch for empty inputs.
 
 
-def _tile(hidden: int, rows: int, mx: bool, soft: bool) -> tuple[int, int, int]:
+def _tile(
+    hidden: int, rows: int, mx: bool, soft: bool, elems: int | None = None
+) -> tuple[int, int, int]:
     """(BLOCK_T, NB, W) of the one-pass kernels: BLOCK_H, the widest power of two up to the
-    cap that pads the row by at most 1/8 (not below 32), and rows up to the tile's size."""
+    cap that pads the row by at most 1/8 (not below 32), and rows up to the tile's size
+    (``elems`` elements on the GPU, STATIC_ROWS_TILE by default)."""
     if soft:
         elems, cap = _config.INTERPRET_STATIC_ROWS_TILE, _config.INTERPRET_STATIC_ROWS_BLOCK_H
     else:
-        elems, cap = _config.STATIC_ROWS_TILE, _config.STATIC_ROWS_BLOCK_H
+        elems, cap = elems or _config.STATIC_ROWS_TILE, _config.STATIC_ROWS_BLOCK_H
     bh = min(next_pow2(hidden), cap)
     while bh > 32 and cdiv(hidden, bh) * bh - hidden > hidden // 8:
         bh //= 2
