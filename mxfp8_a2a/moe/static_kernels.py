@@ -8,12 +8,11 @@ wire (one MXFP8 block and its scale byte per lane), one lane per row for the "bf
 (rows in their own dtype). Indices and addresses are int64 (a buffer may pass 2**31
 bytes); -1 means no row.
 
-Numbers: the references of static_rows.py bit for bit (MXFP8 through formats/bits.py;
-decoded values and weights rounded to the working dtype first; sums over j in order in
-fp32, one rounding, compiled with enable_fp_fusion=False: for fp32 rows an FMA would round
-once where the reference rounds twice), except grad_w, which sums the hidden axis per
-column block in the kernel and over the blocks in torch (equal to the reference within fp32
-rounding, the same bits in every run).
+Numbers: the references of static_rows.py bit for bit (MXFP8: formats/bits.py's bits in
+fewer instructions, _quantize; decoded values and weights rounded to the working dtype
+first; sums over j in order in fp32, one rounding, no FMA (enable_fp_fusion=False)), except
+grad_w, summed per column block in the kernel and over the blocks in torch (the reference
+within fp32 rounding, the same bits in every run).
 
 Layers: kernels -> launchers (allocation, tiles, grid) -> custom ops ``mxfp8_a2a::static_*``
 with register_fake for torch.compile (no autograd: static_dispatch.py's Functions call them
