@@ -184,9 +184,10 @@ def dispatch(
             (read in the same host sync as the splits); handle for :func:`combine`
             (handle.expert_offsets holds the same counts as int32 end offsets on x's device).
     Bad arguments on any rank (shapes, types, ids out of range) and ranks that disagree
-    (hidden size, dtype, exchange, transport, x.requires_grad) raise the same ValueError on
-    every rank, naming the rank and the argument; the group stays usable. Every rank must
-    call it, with the same num_experts.
+    (num_experts, hidden size, dtype, exchange, transport, x.requires_grad) raise the same
+    ValueError on every rank, naming the rank and the argument; the group stays usable.
+    Every rank must call it. One counts all-to-all and one host sync (two of each past
+    DISPATCH_INLINE_COUNTS local experts), then the exchange.
     """
     return dispatch_reporting(x, topk_ids, num_experts, group, exchange, transport, None)
 
