@@ -9,8 +9,7 @@ over ranks. bf16 is the library's differentiable exchange of unquantized rows
 (mxfp8_a2a.exchange.plain.all_to_all_rows: what dispatch's bf16 exchange calls). Cases:
 no-grad forward, forward with grad, forward+backward. On one GPU the group has one rank
 (the exchange goes through the same kernels and collective calls, with no traffic): it
-measures host time, not speed. MXFP8_A2A_PUBLIC_LAUNCH=1 times the public
-Triton launch path (see mxfp8_a2a/formats/launch.py). ``--python-profile``: rank 0 also
+measures host time, not speed. ``--python-profile``: rank 0 also
 prints the Python functions that take the host's time in 50 MXFP8 forward+backward calls of
 the first shape (cProfile, by own time).
 """
@@ -32,13 +31,6 @@ from tabulate import tabulate
 
 import mxfp8_a2a as mx
 from mxfp8_a2a.exchange.plain import all_to_all_rows
-
-try:
-    from mxfp8_a2a.formats.launch import fast_launch_enabled
-except ImportError:  # a version of the package without it (comparisons across versions)
-
-    def fast_launch_enabled() -> str:
-        return "n/a"
 
 
 def init_from_torchrun() -> torch.device:
@@ -129,7 +121,7 @@ def main() -> None:
             results[f"{text} {name}"] = res
             rows.append([text, name, *res.values()])
     if rank == 0:
-        info = versions() | {"world_size": world, "fast_launch": fast_launch_enabled()}
+        info = versions() | {"world_size": world}
         print(" ".join(f"{k}={v}" for k, v in info.items()))
         headers = ["shape", "exchange", "fwd no-grad us", "fwd us", "fwd+bwd us"]
         print(tabulate(rows, headers=headers, floatfmt=".1f"))

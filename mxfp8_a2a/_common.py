@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
@@ -30,38 +29,13 @@ def next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
-
-
 def eager_or_op(op, impl, x: torch.Tensor):
-    """``impl``, a custom op's own Python implementation, called directly for a plain tensor
-    ``x`` outside torch.compile / torch.export; else the custom op ``op`` (the compiler's
-    opaque node, and what fake and functional tensors of any tracing, or other tensor
-    subclasses, dispatch through). Eager callers need nothing the dispatcher adds, and its
-    round trip into a Python custom op costs host time on every call: on one H200 machine
-    (torch 2.11) it took most of the eager FP8 experts' step's host time
-    (benchmarks/results/2026-12-03/step_host_launch_ab.txt), and calling the implementations
-    directly made that step about as fast as its CUDA-graph replay (eager_bypass_step_ab.txt)."""
-    return impl if runs_eagerly(x) else op
-
-
-# the number of active torch dispatch modes (make_fx, FlopCounterMode, selective checkpointing
-# policies see the custom ops through them): torch's private accessor where it exists; without
-# it (a torch that lacks it) the modes are not seen and eager calls skip the ops regardless
-_dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
-# MXFP8_A2A_DISPATCHER=1 in the environment (read at import): eager calls go through the
-# custom ops as well (the A/B of scripts/host_path_ab.py)
-_BYPASS = os.environ.get("MXFP8_A2A_DISPATCHER") != "1"
-
-
-def runs_eagerly(x: torch.Tensor) -> bool:
-    """A plain tensor (or Parameter), outside torch.compile / torch.export / torch.jit.trace
-    and with no torch dispatch mode active (eager_or_op)."""
-    if not _BYPASS or type(x) not in _PLAIN_TENSORS:
-        return False
-    if torch.compiler.is_compiling() or torch.jit.is_tracing():
-        return False
-    return _dispatch_modes is None or _dispatch_modes() == 0
+    """``op``, the custom op, for every call (``impl`` and ``x`` are unused). Eager calls
+    once ran ``impl`` directly to skip the dispatcher's host time; on one H200 (torch 2.11)
+    that saved under 10% of an eager MoE layer step with bf16 experts (BENCHMARKS.md), so
+    eager calls take the op as traced ones do. CUDA graphs and torch.compile remove host
+    time. Kept for callers written against it."""
+    return op
 
 
 def interpreted(kernel) -> bool:

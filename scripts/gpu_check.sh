@@ -69,13 +69,10 @@ if has static; then
     --json "$out/moe_layer_static.json" 2>&1 | grep -v '^W1' | tee "$out/moe_layer_static.txt"
 fi
 if has host; then
-  # host time per exchange call (one rank per GPU), the cached launch and the public one
+  # host time per exchange call (one rank per GPU)
   n=$(python3 -c 'import torch; print(torch.cuda.device_count())')
-  for public in 0 1; do
-    MXFP8_A2A_PUBLIC_LAUNCH=$public timeout 150 torchrun --nproc-per-node="$n" \
-      "$here/benchmarks/bench_host_time.py" --shape 256x5120 --shape 8192x5120 \
-      --json "$out/host_time_public$public.json" 2>&1 | grep -v '^W1' | tee "$out/host_time_public$public.txt"
-  done
+  timeout 150 torchrun --nproc-per-node="$n" "$here/benchmarks/bench_host_time.py" --shape 256x5120 \
+    --shape 8192x5120 --json "$out/host_time.json" 2>&1 | grep -v '^W1' | tee "$out/host_time.txt"
 fi
 if has bench; then
   # its own folder: the suite writes the one-GPU stages' file names too

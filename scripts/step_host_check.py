@@ -2,11 +2,9 @@
 (torch.cuda.set_sync_debug_mode), host enqueue time against wall time of 10 back-to-back
 steps (3 repeats), and the CPU profile of 5 steps, per precision, at 8192x2048x8x16x768.
 ``--python-profile``: also the Python functions that take the host's time in 10 steps
-(cProfile, by own time). ``--launch-ab``: enqueue and wall time of the FP8 steps with the
-public Triton launch and the cached one (formats/launch.py), alternating in one process.
+(cProfile, by own time).
 
-    python scripts/step_host_check.py [--shape TOKENSxHIDDENxTOPKxEXPERTSxFFN]
-        [--python-profile] [--launch-ab]
+    python scripts/step_host_check.py [--shape TOKENSxHIDDENxTOPKxEXPERTSxFFN] [--python-profile]
 
 Run with another checkout first on PYTHONPATH to compare package versions. Needs CUDA.
 """
@@ -17,7 +15,6 @@ import argparse
 import cProfile
 import functools
 import io
-import os
 import pstats
 import sys
 import time
@@ -76,43 +73,10 @@ def python_profile(step, name: str) -> None:
     print(out.getvalue())
 
 
-def enqueue_wall_us(step, n: int = 10) -> tuple[float, float]:
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        step()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t) / n * 1e6, (time.perf_counter() - t) / n * 1e6
-
-
-def launch_ab(step, name: str, rounds: int = 6) -> None:
-    from mxfp8_a2a.formats import launch
-
-    results: dict[str, list[tuple[float, float]]] = {"public": [], "cached": []}
-    for path in ("public", "cached"):  # compile and fill both paths' caches first
-        os.environ[launch.PUBLIC_LAUNCH_ENV] = "1" if path == "public" else "0"
-        for _ in range(3):
-            step()
-    for _ in range(rounds):
-        for path in ("public", "cached"):
-            os.environ[launch.PUBLIC_LAUNCH_ENV] = "1" if path == "public" else "0"
-            results[path].append(enqueue_wall_us(step))
-    os.environ.pop(launch.PUBLIC_LAUNCH_ENV)
-    for path, rows in results.items():
-        enq = sorted(r[0] for r in rows)
-        wall = sorted(r[1] for r in rows)
-        print(
-            f"{name} {path} launch: enqueue median {enq[len(enq) // 2]:.0f} us/step "
-            f"(min {enq[0]:.0f}), wall median {wall[len(wall) // 2]:.0f} (min {wall[0]:.0f})"
-        )
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--shape", default="8192x2048x8x16x768")
     p.add_argument("--python-profile", action="store_true")
-    p.add_argument("--launch-ab", action="store_true")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("step_host_check.py needs a CUDA GPU")
@@ -123,8 +87,6 @@ def main() -> None:
         check(step, precision)
         if args.python_profile:
             python_profile(step, precision)
-        if args.launch_ab and precision != "bf16":
-            launch_ab(step, precision)
 
 
 if __name__ == "__main__":

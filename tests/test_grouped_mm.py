@@ -39,12 +39,11 @@ def emulated_gemm(monkeypatch):
     monkeypatch.setattr(fr, "_scaled_gmm", _emulated_op)
 
 
-@pytest.fixture(params=["function", "op"])
-def fp8_call(request, emulated_gemm):
-    """The CUDA FP8 path, (x, w, offs, cached, hp_grad_w) -> out: eager calls' autograd
-    Function (fp8_grouped_mm) or the custom op mxfp8_a2a::fp8_rowwise_grouped_mm that
-    torch.compile traces."""
-    return fr.fp8_grouped_mm if request.param == "function" else fr.fp8_rowwise_grouped_mm
+@pytest.fixture
+def fp8_call(emulated_gemm):
+    """The CUDA FP8 path, (x, w, offs, cached, hp_grad_w) -> out: the custom op
+    mxfp8_a2a::fp8_rowwise_grouped_mm (eager calls and torch.compile's traces alike)."""
+    return fr.fp8_rowwise_grouped_mm
 
 
 @pytest.fixture
@@ -170,7 +169,7 @@ def test_torch_compile_fullgraph_fp8_cuda_path_emulated(emulated_gemm):
     args = _inputs(40, 32, 16, 3, "with_empty", torch.bfloat16, "cpu", fresh_generator())
     torch._dynamo.reset()
     # dynamic=True: symbolic shapes and strides, as a recompile at new sizes gets them
-    fn = lambda x, w, o: fr.fp8_grouped_mm(x, w, o, [], False)  # noqa: E731 (the op, traced)
+    fn = lambda x, w, o: fr.fp8_rowwise_grouped_mm(x, w, o, [], False)  # noqa: E731
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager", dynamic=True)
     _close(_fwd_bwd(compiled, *args), _fwd_bwd(_reference("fp8_rowwise"), *args), "fp8_rowwise")
 
@@ -188,33 +187,6 @@ def test_fp8_op_passes_opcheck(emulated_gemm, m):
     cached = list(fr.fp8_rowwise_weights(w))
     checks = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
     torch.library.opcheck(fr.fp8_rowwise_grouped_mm, (x, w, offs, cached, False), test_utils=checks)
-
-
-@needs_interpreter
-@pytest.mark.parametrize("hp", [False, True])
-def test_fp8_function_and_op_give_the_same_bits(emulated_gemm, hp):
-    """Eager calls' autograd Function and the custom op: the same forward and backward."""
-    args = _inputs(77, 32, 48, 5, "with_empty", torch.bfloat16, "cpu", fresh_generator())
-    fp8 = list(fr.fp8_rowwise_weights(args[1]))
-    for cached in ([], fp8):
-        a, b = (
-            _fwd_bwd(lambda x, w, o, f=f, c=cached: f(x, w, o, c, hp), *args)
-            for f in (fr.fp8_grouped_mm, fr.fp8_rowwise_grouped_mm)
-        )
-        for u, v in zip(a, b, strict=True):
-            torch.testing.assert_close(u, v, rtol=0, atol=0)
-
-
-@needs_interpreter
-def test_fp8_function_is_once_differentiable(emulated_gemm):
-    """Like the op (whose backward's casts have no derivative): a second derivative raises
-    instead of leaving out second-order terms."""
-    x, w, offs, _ = _inputs(77, 32, 48, 5, "with_empty", torch.bfloat16, "cpu", fresh_generator())
-    x = x.requires_grad_(True)
-    out = fr.fp8_grouped_mm(x, w, offs, [], False)
-    (gx,) = torch.autograd.grad(out.float().square().sum(), x, create_graph=True)
-    with pytest.raises(RuntimeError, match="differentiate twice"):
-        gx.sum().backward()
 
 
 @needs_interpreter

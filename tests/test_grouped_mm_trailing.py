@@ -104,14 +104,13 @@ def test_grouped_gemm_path_zeroes_unwritten_rows(ends):
 
 @needs_interpreter
 @pytest.mark.parametrize(  # (interpreted kernels: about 2 s a forward and backward)
-    "ends, op, hp",
-    [([5, 21, 21], False, False), ([0, 16, 32], True, True), ([0, 0, 0], True, False)],
+    "ends, hp", [([5, 21, 21], False), ([0, 16, 32], True), ([0, 0, 0], False)]
 )
-def test_fp8_cuda_path_emulated_ignores_trailing_rows(monkeypatch, ends, op, hp):
+def test_fp8_cuda_path_emulated_ignores_trailing_rows(monkeypatch, ends, hp):
     """The CUDA FP8 code (per-group kernels through the interpreter, the GEMM emulated and
-    leaving rows past offs[-1] unwritten): the autograd Function and the custom op."""
+    leaving rows past offs[-1] unwritten): the custom op, forward and backward."""
     monkeypatch.setattr(fr, "_scaled_gmm", _emulated_op)
-    f = fr.fp8_rowwise_grouped_mm if op else fr.fp8_grouped_mm
+    f = fr.fp8_rowwise_grouped_mm
     _check(lambda x, w, o: f(x, w, o, [], hp), *_data(ends, "cpu"), exact_grad_w=hp)
 
 

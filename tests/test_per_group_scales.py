@@ -87,7 +87,7 @@ def test_auto_reads_in_place(monkeypatch):
         data = per_group_scales.empty_data(x.shape, LAYOUTS[column_major], x.device)
         return data.view(torch.float8_e4m3fn), x.new_empty((offs.numel(), x.shape[1 - group_dim]))
 
-    monkeypatch.setattr(per_group_scales, "_per_group_triton", record)
+    monkeypatch.setattr(per_group_scales, "_per_group_op", record)
     # backend="triton" on CPU tensors, also where the interpreter is off (a GPU machine)
     monkeypatch.setattr(per_group_scales, "resolve_backend", lambda *args: "triton")
     go = torch.randn(64, 32)  # row-major (M, N), groups along M

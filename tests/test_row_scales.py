@@ -43,8 +43,8 @@ def test_row_scales_match_reference(device, dtype, shape, pow2):
 def paths(monkeypatch):
     """Which path each row_scales call took: "row" (the one-pass kernel) or "per_group"."""
     taken = []
-    row_op, per_group = rs._row_scales_impl, rs.per_group_rowwise_scales
-    monkeypatch.setattr(rs, "_row_scales_impl", lambda *a: taken.append("row") or row_op(*a))
+    row_op, per_group = rs._row_scales_op, rs.per_group_rowwise_scales
+    monkeypatch.setattr(rs, "_row_scales_op", lambda *a: taken.append("row") or row_op(*a))
     monkeypatch.setattr(
         rs,
         "per_group_rowwise_scales",

@@ -164,27 +164,17 @@ def _fwd_bwd(fn, rows, pos, weights, grad):
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
-def test_function_and_op_give_the_same_bits(device):
-    """Eager calls' autograd Function and the custom op torch.compile traces: the same
-    forward and gradients (row_sums too)."""
-    g = fresh_generator()
-    rows, pos, weights = _case(5, 3, 80, device, g, special=False)
-    grad = torch.randn(5, 80, generator=g).to(torch.bfloat16).to(device)
-    fn = _fwd_bwd(ss._SlotSum.apply, rows, pos, weights, grad)
-    op = _fwd_bwd(ss._slot_sum_op, rows, pos, weights, grad)
-    for a, b in zip(fn, op, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+def test_row_sums_op_matches_its_implementation(device):
+    rows, pos, _ = _case(5, 3, 80, device, fresh_generator(), special=False)
     torch.testing.assert_close(ss._row_sums_impl(rows, pos), ss._row_sums_op(rows, pos))
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
-def test_tracers_meet_the_ops(device, monkeypatch):
+def test_tracers_meet_the_ops(device):
     """Under a torch dispatch mode (make_fx, selective checkpointing policies) and in the
-    backward that compiled autograd traces with fake tensors, the custom ops run, not the
-    kernels; eager calls skip them. Not twice differentiable, like the op."""
+    backward that compiled autograd traces with fake tensors, the custom ops run. Not twice
+    differentiable."""
     from torch.utils._python_dispatch import TorchDispatchMode
-
-    from mxfp8_a2a import _common
 
     class Seen(TorchDispatchMode):
         def __init__(self):
@@ -199,16 +189,10 @@ def test_tracers_meet_the_ops(device, monkeypatch):
     with Seen() as seen:
         ss.slot_sum(rows, pos, weights)
     assert any("mxfp8_a2a.slot_sum" in op for op in seen.ops), seen.ops
-    if _common._dispatch_modes is not None:  # without torch's accessor: the kernels regardless
-        monkeypatch.setattr(_common, "_dispatch_modes", None)
-        with Seen() as seen:
-            ss.slot_sum(rows, pos, weights)
-        assert not any("mxfp8_a2a" in op for op in seen.ops), seen.ops
     w = weights.clone().requires_grad_(True)
     out = ss.slot_sum(rows, pos, w)
-    assert type(out.grad_fn).__name__ == "_SlotSumBackward"  # eager: the Function
     (gw,) = torch.autograd.grad(out.float().square().sum(), w, create_graph=True)
-    with pytest.raises(RuntimeError, match="differentiate twice"):
+    with pytest.raises(RuntimeError, match="no autograd formula"):  # the backward op's
         gw.sum().backward()
     ca = pytest.importorskip("torch._dynamo.compiled_autograd")
     if not hasattr(ca, "_enable"):

@@ -18,7 +18,6 @@ from .._common import (
     block_count,
     check_e4m3_gpu,
     check_out_dtype,
-    eager_or_op,
     resolve_backend,
 )
 from .bits import block_tile, mx_dequantize_blocks, skip_gap, store_float
@@ -202,8 +201,7 @@ def dequantize(
     check_out_dtype(out_dtype)
     if resolve_backend(backend, data.device, _dequantize_kernel) == "torch":
         return dequantize_reference(data, scales, out_dtype)
-    op = eager_or_op(_dequantize_op, _dequantize_impl, data)
-    return op(data, scales.view(torch.float8_e8m0fnu), _DTYPE_NAMES[out_dtype])
+    return _dequantize_op(data, scales.view(torch.float8_e8m0fnu), _DTYPE_NAMES[out_dtype])
 
 
 def dequantize_packed(
@@ -222,8 +220,7 @@ def dequantize_packed(
     check_out_dtype(out_dtype)
     if resolve_backend(backend, packed.device, _dequantize_kernel) == "torch":
         return dequantize_reference(*unpack(packed), out_dtype)
-    op = eager_or_op(_dequantize_packed_op, _dequantize_packed_impl, packed)
-    return op(packed, _DTYPE_NAMES[out_dtype])
+    return _dequantize_packed_op(packed, _DTYPE_NAMES[out_dtype])
 
 
 __all__ = ["dequantize", "dequantize_packed", "dequantize_reference"]

@@ -20,7 +20,6 @@ from .._common import (
     check_e4m3_gpu,
     check_float_input,
     check_scaling_mode,
-    eager_or_op,
     hw_e8m0,
     resolve_backend,
 )
@@ -210,8 +209,7 @@ def quantize(
     check_scaling_mode(scaling_mode)
     if resolve_backend(backend, x.device, _quantize_kernel) == "torch":
         return quantize_reference(x, scaling_mode)
-    op = eager_or_op(_quantize_op, _quantize_impl, x)
-    return op(x, scaling_mode)
+    return _quantize_op(x, scaling_mode)
 
 
 def quantize_packed(
@@ -227,8 +225,7 @@ def quantize_packed(
     check_scaling_mode(scaling_mode)
     if resolve_backend(backend, x.device, _quantize_kernel) == "torch":
         return pack(*quantize_reference(x, scaling_mode))
-    op = eager_or_op(_quantize_packed_op, _quantize_packed_impl, x)
-    return op(x, scaling_mode)
+    return _quantize_packed_op(x, scaling_mode)
 
 
 __all__ = ["quantize", "quantize_packed", "quantize_reference"]

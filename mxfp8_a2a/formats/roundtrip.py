@@ -20,7 +20,6 @@ from .._common import (
     check_e4m3_gpu,
     check_float_input,
     check_scaling_mode,
-    eager_or_op,
     hw_e8m0,
     resolve_backend,
 )
@@ -126,8 +125,7 @@ def quantize_dequantize(
     check_scaling_mode(scaling_mode)
     if resolve_backend(backend, x.device, _roundtrip_kernel) == "torch":
         return quantize_dequantize_reference(x, scaling_mode)
-    op = eager_or_op(_roundtrip_op, _roundtrip_impl, x)
-    return op(x, scaling_mode)
+    return _roundtrip_op(x, scaling_mode)
 
 
 __all__ = ["quantize_dequantize", "quantize_dequantize_reference"]

@@ -1,8 +1,7 @@
 """The FP8-rowwise grouped GEMM of grouped_mm(precision="fp8_rowwise"): its operands' casts
 (the per-group kernels of per_group_scales.py), torch's FP8 grouped GEMM (torch_gemms.py:
 torch.nn.functional.scaled_grouped_mm, the private op as its fallback), and the custom op
-``mxfp8_a2a::fp8_rowwise_grouped_mm`` with its autograd (traced by torch.compile; eager calls
-run the same forward and backward through an autograd Function, ``fp8_grouped_mm``);
+``mxfp8_a2a::fp8_rowwise_grouped_mm`` with its autograd (traced by torch.compile);
 ``Fp8Weights`` / ``fp8_rowwise_weights``, the weights' casts made once for several calls.
 gemm.py says which layouts torch's FP8 grouped GEMM needs and how they are met.
 """
@@ -12,9 +11,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-from torch.autograd.function import once_differentiable
 
-from .._common import contiguous, runs_eagerly
+from .._common import contiguous
 from .per_group_scales import expert_column_scales, padded_token_scales
 from .row_scales import row_scales
 from .torch_gemms import grouped_gemm, scaled_grouped_gemm
@@ -157,34 +155,6 @@ def _fp8_backward(ctx, grad):
 
 
 fp8_rowwise_grouped_mm.register_autograd(_fp8_backward, setup_context=_fp8_setup_context)
-
-
-class _Fp8GroupedMM(torch.autograd.Function):
-    """The op's forward and backward without the dispatcher, for eager calls
-    (``_common.eager_or_op``); the cached tensors come last, one argument each."""
-
-    @staticmethod
-    def forward(x, w, offs, hp_grad_w, *cached):
-        return _fp8_forward(x, w, offs, list(cached))
-
-    @staticmethod
-    def setup_context(ctx, inputs, output) -> None:
-        x, w, offs, hp_grad_w, *cached = inputs
-        _fp8_setup_context(ctx, (x, w, offs, cached, hp_grad_w), output)
-
-    @staticmethod
-    @once_differentiable  # as the op (its backward's casts have no derivative)
-    def backward(ctx, grad):
-        gx, gw, *_ = _fp8_backward(ctx, grad)
-        return gx, gw, None, None, *([None] * ctx.n_cached)
-
-
-def fp8_grouped_mm(x, w, offs, cached: list[torch.Tensor], hp_grad_w: bool) -> torch.Tensor:
-    """fp8_rowwise_grouped_mm's result: the custom op under torch.compile (or for tensor
-    subclasses), the same forward and backward through an autograd Function otherwise."""
-    if runs_eagerly(x):
-        return _Fp8GroupedMM.apply(x, w, offs, hp_grad_w, *cached)
-    return fp8_rowwise_grouped_mm(x, w, offs, cached, hp_grad_w)
 
 
 def check_fp8_weights(w: torch.Tensor, fp8: Fp8Weights, precision: str) -> None:

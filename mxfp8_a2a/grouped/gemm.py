@@ -5,9 +5,8 @@ experts' weights: out[rows of e] = x[rows of e] @ w[e]. Layers: torch's grouped 
 torch.nn.functional.grouped_mm and scaled_grouped_mm; the private torch._grouped_mm and
 torch._scaled_grouped_mm only where those are missing or cannot be traced: torch_gemms.py)
 and the custom op ``mxfp8_a2a::grouped_mm_loop`` (a per-expert loop) -> the autograd
-Function _GroupedMM (bf16) and the custom op
-``mxfp8_a2a::fp8_rowwise_grouped_mm`` with its autograd (fp8_rowwise.py; eager calls take an
-autograd Function of the same forward and backward) -> grouped_mm.
+Function _GroupedMM (bf16) and the custom op ``mxfp8_a2a::fp8_rowwise_grouped_mm`` with its
+autograd (fp8_rowwise.py) -> grouped_mm.
 The plain-torch definition is grouped_mm_reference.py.
 
 Layout rules of torch's CUDA grouped GEMMs, as read in its sources (aten/src/ATen/native/
@@ -49,7 +48,7 @@ from .._common import capability, contiguous
 from .fp8_rowwise import (
     Fp8Weights,
     check_fp8_weights,
-    fp8_grouped_mm,
+    fp8_rowwise_grouped_mm,
     fp8_rowwise_weights,
 )
 from .grouped_mm_reference import grouped_mm_reference
@@ -275,7 +274,7 @@ def grouped_mm(
             fp8_weights = fp8_rowwise_weights(w)  # grad_x's copy of w made with the forward's
         cached = [] if fp8_weights is None else list(fp8_weights)
         hp = precision == "fp8_rowwise_gw_hp"
-        return fp8_grouped_mm(x.contiguous(), w.contiguous(), offs, cached, hp)
+        return fp8_rowwise_grouped_mm(x.contiguous(), w.contiguous(), offs, cached, hp)
     if path == "grouped":
         return _GroupedMM.apply(x.contiguous(), w.contiguous(), offs, False)
     return _GroupedMM.apply(x, w, offs, True)

@@ -4,8 +4,8 @@
 Layers: two Triton kernels, both reading and writing any strides: the row-block kernel
 (kernels.py, groups along the contiguous axis of x and of the data) and the colwise kernels
 (kernels_colwise.py, every other layout: an amax launch and a cast launch) -> launcher, registered
-as the custom op ``mxfp8_a2a::per_group_scales`` for torch.compile and called directly otherwise
-(``_common.eager_or_op``) -> ``per_group_colwise_scales`` / ``per_group_rowwise_scales``.
+as the custom op ``mxfp8_a2a::per_group_scales`` -> ``per_group_colwise_scales`` /
+``per_group_rowwise_scales``.
 Rowwise scales of x are colwise scales of x.t() (the same numbers, the data transposed), so
 each function can run either kernel without a copy ("direct": its own orientation;
 "transpose": the other one on the view x.t()); "auto" picks from the strides. The definitions
@@ -20,7 +20,6 @@ from .. import _config
 from .._common import (
     cdiv,
     check_e4m3_gpu,
-    eager_or_op,
     kernels_run_on,
     next_pow2,
     resolve_backend,
@@ -201,7 +200,7 @@ def padded_token_scales(
     if not _kernels_run_on(x.device):
         data, scales, pad = padded_token_reference(x, offs)
         return data, scales.reciprocal() if inverse else scales, pad
-    return eager_or_op(_padded_token_op, _padded_token_impl, x)(x, offs, inverse)
+    return _padded_token_op(x, offs, inverse)
 
 
 def _padded_token_impl(
@@ -240,7 +239,7 @@ def expert_column_scales(
     if not _kernels_run_on(w.device):
         data, scales = expert_column_reference(w)
         return data, scales.reciprocal() if inverse else scales
-    return eager_or_op(_expert_column_op, _expert_column_impl, w)(w, inverse)
+    return _expert_column_op(w, inverse)
 
 
 def _expert_column_impl(
@@ -282,10 +281,9 @@ def _triton(x, offs, pow2: bool, group_dim: int, method: str, data_layout: str):
             method = "direct" if group_dim == 1 else "transpose"
         else:
             method = "transpose" if group_dim == 1 else "direct"
-    op = eager_or_op(_per_group_op, _per_group_triton, x)
     if method == "direct":
-        return op(x, offs, pow2, group_dim, column_major)
-    data, scales = op(x.t(), offs, pow2, 1 - group_dim, not column_major)
+        return _per_group_op(x, offs, pow2, group_dim, column_major)
+    data, scales = _per_group_op(x.t(), offs, pow2, 1 - group_dim, not column_major)
     return data.t(), scales
 
 

@@ -6,10 +6,9 @@ per bf16 element), where the row-block kernel reads rows wider than its largest 
 twice, in tiles of part of a row.
 
 Layers: ``_row_scales_kernel`` -> ``_row_scales_impl`` (allocation, grid), registered as the
-custom op ``mxfp8_a2a::row_scales`` for torch.compile and called directly otherwise (see
-``_common.eager_or_op``) -> :func:`row_scales`, which takes the per-group kernels for rows wider
-than ``_config.ROW_SCALES_MAX_WIDTH`` or strided along the row, and the plain-torch reference
-where the kernels do not run.
+custom op ``mxfp8_a2a::row_scales`` -> :func:`row_scales`, which takes the per-group kernels
+for rows wider than ``_config.ROW_SCALES_MAX_WIDTH`` or strided along the row, and the
+plain-torch reference where the kernels do not run.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .. import _config
-from .._common import cdiv, check_e4m3_gpu, eager_or_op, next_pow2
+from .._common import cdiv, check_e4m3_gpu, next_pow2
 from ..formats.bits import to_fp32
 from ..formats.launch import launch
 from .kernels import _amax_bits, _e4m3_bits, _offsets, _scales, _stored_scale
@@ -95,8 +94,7 @@ def row_scales(
             f"row_scales: x must be a 2-D bf16 or fp32 tensor, got {x.dtype} {tuple(x.shape)}"
         )
     if _kernels_run_on(x.device) and _row_kernel_fits(x):
-        op = eager_or_op(_row_scales_op, _row_scales_impl, x)
-        return op(x, round_scales_to_power_of_2, inverse)
+        return _row_scales_op(x, round_scales_to_power_of_2, inverse)
     whole = torch.full((1,), x.shape[1], dtype=torch.int32, device=x.device)
     if _kernels_run_on(x.device):  # the per-group kernels choose a kernel for x's strides
         data, scales = per_group_rowwise_scales(

@@ -12,8 +12,8 @@ colwise cast launch then makes the column copy from that workspace. Bytes per bf
 of the two ops apart, bit for bit (the same amax bits, the same scale and cast code).
 
 Layers: ``_weight_rows_kernel`` + the colwise cast launch (per_group_scales._colwise) ->
-``_weight_scales_impl`` (allocation, grid), the custom op ``mxfp8_a2a::weight_scales`` under
-torch.compile (``_common.eager_or_op``) -> :func:`weight_scales`,
+``_weight_scales_impl`` (allocation, grid), the custom op ``mxfp8_a2a::weight_scales`` ->
+:func:`weight_scales`,
 which composes the two ops apart where the kernel does not apply (rows wider than
 ``_config.ROW_SCALES_MAX_WIDTH``) and the references where the kernels do not run.
 """
@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .. import _config
-from .._common import cdiv, check_e4m3_gpu, eager_or_op, next_pow2
+from .._common import cdiv, check_e4m3_gpu, next_pow2
 from ..formats.bits import to_fp32
 from ..formats.launch import launch
 from .kernels import _amax_bits, _e4m3_bits, _scales, _stored_scale
@@ -140,7 +140,7 @@ def weight_scales(
         )
     fits = w.shape[2] <= _config.ROW_SCALES_MAX_WIDTH and w.numel() > 0
     if fits and _kernels_run_on(w.device):
-        return eager_or_op(_weight_scales_op, _weight_scales_impl, w)(w, inverse)
+        return _weight_scales_op(w, inverse)
     return weight_scales_apart(w, inverse=inverse)
 
 

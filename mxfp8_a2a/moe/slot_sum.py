@@ -15,9 +15,8 @@ over the hidden axis in tiles, in another order than torch (equal to fp32 roundi
 
 Layers: ``_slot_sum_kernel`` / ``_slot_sum_backward_kernel`` -> the custom ops
 ``mxfp8_a2a::slot_sum`` / ``slot_sum_backward`` (checks, allocation, grid; autograd
-registered), which torch.compile traces; eager calls run the same forward and backward
-through an autograd Function, without the dispatcher (``_common.eager_or_op``) ->
-:func:`slot_sum`, which takes the plain-torch reference for rows other than
+registered), which torch.compile traces -> :func:`slot_sum`, which takes the plain-torch
+reference for rows other than
 bf16 and where the kernels do not run. The forward kernel with unit weights is also
 ``mxfp8_a2a::row_sums`` -> :func:`row_sums` (the backward of dispatch's gather of k copies
 per token, rows.py).
@@ -28,10 +27,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.autograd.function import once_differentiable
 
 from .. import _config
-from .._common import cdiv, eager_or_op, kernels_run_on, next_pow2
+from .._common import cdiv, kernels_run_on, next_pow2
 from ..formats.bits import fp32_to_bf16, to_fp32
 from ..formats.launch import launch
 
@@ -180,28 +178,14 @@ def _setup_context(ctx, inputs, output) -> None:
 
 
 def _backward(ctx, grad):
-    """The op's and the Function's backward: the kernel through the op where a tracer meets
-    it (AOTAutograd, and compiled autograd, which traces an eager forward's backward with
-    fake tensors), directly otherwise."""
+    """The op's backward, through the backward op (which tracers, AOTAutograd and compiled
+    autograd, meet with fake tensors)."""
     rows, pos, weights = ctx.saved_tensors
-    op = eager_or_op(_slot_sum_backward_op, _slot_sum_backward_impl, grad)
-    grad_rows, grad_w = op(grad, rows, pos, weights)
+    grad_rows, grad_w = _slot_sum_backward_op(grad, rows, pos, weights)
     return grad_rows, None, grad_w.to(weights.dtype)
 
 
 _slot_sum_op.register_autograd(_backward, setup_context=_setup_context)
-
-
-class _SlotSum(torch.autograd.Function):
-    """The op's forward and backward without the dispatcher (eager calls); like the op, not
-    twice differentiable."""
-
-    @staticmethod
-    def forward(rows, pos, weights):
-        return _forward(rows, pos, weights)
-
-    setup_context = staticmethod(_setup_context)
-    backward = staticmethod(once_differentiable(_backward))
 
 
 def _check(rows: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor | None) -> None:
@@ -241,8 +225,7 @@ def slot_sum(rows: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor) -> to
         and weights.dtype in _WEIGHT_DTYPES
         and kernels_run_on(rows.device, _slot_sum_kernel)
     ):
-        op = eager_or_op(_slot_sum_op, _SlotSum.apply, rows)
-        return op(rows.contiguous(), pos.contiguous(), weights.contiguous())
+        return _slot_sum_op(rows.contiguous(), pos.contiguous(), weights.contiguous())
     return slot_sum_reference(rows, pos, weights)
 
 
@@ -264,6 +247,6 @@ def row_sums(rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     the kernel (fp32 sums over j in order, one rounding), others index_select and a sum."""
     _check(rows, pos, None)
     if rows.dtype == torch.bfloat16 and kernels_run_on(rows.device, _slot_sum_kernel):
-        return eager_or_op(_row_sums_op, _row_sums_impl, rows)(rows.contiguous(), pos.contiguous())
+        return _row_sums_op(rows.contiguous(), pos.contiguous())
     t, k = pos.shape
     return rows.index_select(0, pos.reshape(-1)).view(t, k, *rows.shape[1:]).sum(1)
