@@ -29,15 +29,6 @@ def next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
-def eager_or_op(op, impl, x: torch.Tensor):
-    """``op``, the custom op, for every call (``impl`` and ``x`` are unused). Eager calls
-    once ran ``impl`` directly to skip the dispatcher's host time; on one H200 (torch 2.11)
-    that saved under 10% of an eager MoE layer step with bf16 experts (BENCHMARKS.md), so
-    eager calls take the op as traced ones do. CUDA graphs and torch.compile remove host
-    time. Kept for callers written against it."""
-    return op
-
-
 def interpreted(kernel) -> bool:
     """True when ``kernel`` was decorated while TRITON_INTERPRET=1 (runs on CPU tensors)."""
     return type(kernel).__name__ == "InterpretedFunction"

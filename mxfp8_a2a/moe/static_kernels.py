@@ -16,7 +16,7 @@ within fp32 rounding, the same bits in every run).
 
 Layers: kernels -> launchers (allocation, tiles, grid) -> custom ops ``mxfp8_a2a::static_*``
 with register_fake for torch.compile (no autograd: static_dispatch.py's Functions call them
-in forward and backward). static_rows.py calls a launcher eagerly, or its op under a tracer.
+in forward and backward). static_rows.py calls the ops.
 """
 
 from __future__ import annotations

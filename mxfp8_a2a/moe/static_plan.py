@@ -21,7 +21,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .. import _config
-from .._common import cdiv, eager_or_op, kernels_run_on, next_pow2
+from .._common import cdiv, kernels_run_on, next_pow2
 from ..formats.launch import launch
 
 
@@ -343,8 +343,7 @@ def send_plan(
     """:func:`send_plan_reference`'s (rows_of int64 [T, k], sent int64 [W, L], stats int64
     [3]), by the kernels where they run."""
     if kernels_run_on(topk_ids.device, _rank_kernel) and not topk_ids.dtype.is_floating_point:
-        op = eager_or_op(send_plan_op, send_plan_kernels, topk_ids)
-        return op(topk_ids, num_experts, world, capacity)
+        return send_plan_op(topk_ids, num_experts, world, capacity)
     return send_plan_reference(topk_ids, num_experts, world, capacity)
 
 
@@ -352,5 +351,5 @@ def receive_plan(recv: Tensor, capacity: int, align: int) -> tuple[Tensor, Tenso
     """:func:`receive_plan_reference`'s (src_row int64 [N], out_row int64 [W * capacity],
     ends int32 [L]) for recv int64 [W, L], by the kernels where they run."""
     if kernels_run_on(recv.device, _segments_kernel) and recv.dtype == torch.int64:
-        return eager_or_op(receive_plan_op, receive_plan_kernels, recv)(recv, capacity, align)
+        return receive_plan_op(recv, capacity, align)
     return receive_plan_reference(recv, capacity, align)

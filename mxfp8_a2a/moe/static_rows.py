@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from .._common import check_scaling_mode, eager_or_op, kernels_run_on
+from .._common import check_scaling_mode, kernels_run_on
 from ..exchange.rows import wire_row
 from ..formats.dequantize import dequantize_reference
 from ..formats.packing import pack, packed_row_bytes, unpack
@@ -185,8 +185,7 @@ def scatter_encode(
         and rows_of.shape[0] == x.shape[0]
         and _kernels(x.device, x.dtype, wire, x.shape[1], rows_of)
     ):
-        op = eager_or_op(sk.scatter_encode_op, sk.scatter_encode, x)
-        return op(x, rows_of, n_rows, wire, scaling_mode)
+        return sk.scatter_encode_op(x, rows_of, n_rows, wire, scaling_mode)
     return scatter_encode_reference(x, rows_of, n_rows, wire, scaling_mode)
 
 
@@ -197,7 +196,7 @@ def gather_encode(
     -1 (for "mxfp8" all zero bytes)."""
     check_scaling_mode(scaling_mode)
     if y.dim() == 2 and index.dim() == 1 and _kernels(y.device, y.dtype, wire, y.shape[1], index):
-        return eager_or_op(sk.gather_encode_op, sk.gather_encode, y)(y, index, wire, scaling_mode)
+        return sk.gather_encode_op(y, index, wire, scaling_mode)
     return gather_encode_reference(y, index, wire, scaling_mode)
 
 
@@ -207,9 +206,7 @@ def gather_decode(
     """buf: a wire buffer; index int64 [N] -> [N, hidden] in ``dtype``: decode(buf[index[i]]),
     zeros for -1."""
     if index.dim() == 1 and _decodes(buf, dtype, wire, hidden, index):
-        return eager_or_op(sk.gather_decode_op, sk.gather_decode, buf)(
-            buf, index, hidden, dtype, wire
-        )
+        return sk.gather_decode_op(buf, index, hidden, dtype, wire)
     return gather_decode_reference(buf, index, hidden, dtype, wire)
 
 
@@ -230,8 +227,7 @@ def slot_sum_decode(
         and _weights_fit(weights, rows_of)
         and _decodes(buf, dtype, wire, hidden, rows_of)
     ):
-        op = eager_or_op(sk.slot_sum_decode_op, sk.slot_sum_decode, buf)
-        return op(buf, rows_of, weights, hidden, dtype, wire)
+        return sk.slot_sum_decode_op(buf, rows_of, weights, hidden, dtype, wire)
     return slot_sum_decode_reference(buf, rows_of, weights, hidden, dtype, wire)
 
 
@@ -257,8 +253,9 @@ def slot_sum_decode_backward(
         and _weights_fit(weights, rows_of)
         and _decodes(buf, grad.dtype, wire, grad.shape[1], rows_of)
     ):
-        op = eager_or_op(skb.slot_sum_decode_backward_op, skb.slot_sum_decode_backward, grad)
-        return op(grad, buf, rows_of, weights, n_rows, wire, scaling_mode)
+        return skb.slot_sum_decode_backward_op(
+            grad, buf, rows_of, weights, n_rows, wire, scaling_mode
+        )
     return slot_sum_decode_backward_reference(
         grad, buf, rows_of, weights, n_rows, wire, scaling_mode
     )
