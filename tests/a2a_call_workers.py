@@ -101,7 +101,7 @@ def bad_input(rank, world, backend):
         mx.to_mxfp8_a2a_dequant(y, out_splits, in_splits, validate=True)
     # what the collective's byte counts depend on, differing between ranks: every rank raises
     z = torch.randn(world, 64 if rank else 96, device=dev)
-    with pytest.raises(ValueError, match=r"x.shape\[1\] \(K\) differs between ranks"):
+    with pytest.raises(ValueError, match=r"x.shape\[1\] differs between ranks \(\[96, 64"):
         mx.to_mxfp8_a2a_dequant(z, ones, ones, validate=True)
     with pytest.raises(ValueError, match="x.dtype differs between ranks"):
         mx.to_mxfp8_a2a_dequant(x.to(torch.bfloat16) if rank else x, ones, ones, validate=True)

@@ -37,7 +37,7 @@ _SEP = "\x1f"  # between the terms of a text
 _SAME = "every rank must pass the same"
 FIXES = {
     "num_experts": f"{_SAME} num_experts",
-    "x.shape[1]": f"{_SAME} x.shape[1] (hidden size)",
+    "x.shape[1]": f"{_SAME} x.shape[1] (K, the hidden size)",
     "x.dtype": f"pass x in the same dtype on every rank ({_SAME} x.dtype)",
     "exchange": f"{_SAME} exchange",
     "scaling_mode": f"{_SAME} scaling_mode",
