@@ -62,7 +62,7 @@ def test_layer_rejects_bad_precision():
 
 
 def test_layer_fp8_weight_reuse():
-    run_distributed(_layer_reuse, 1)
+    run_distributed(_layer_reuse, 1, fresh=True)  # it patches modules
 
 
 def _layer_reuse(rank, world):
