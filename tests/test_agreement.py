@@ -27,12 +27,14 @@ def test_compiled_and_eager_ranks_validate_alike(monkeypatch, from_env):
     """Cases 1-2: validation on every rank, one compiled: no hang, the same errors."""
     if from_env:  # read by the workers when they import the package
         monkeypatch.setenv(checks.VALIDATE_ENV, "1")
-    run_distributed(compiled_and_eager_validate, 2, from_env, timeout=HANG)
+    # fresh: the environment is read when the package is imported
+    run_distributed(compiled_and_eager_validate, 2, from_env, timeout=HANG, fresh=from_env)
 
 
 def test_static_dispatch_compiled_and_eager_ranks(monkeypatch):
     monkeypatch.setenv(checks.VALIDATE_ENV, "1")
-    run_distributed(static_compiled_and_eager, 2, random.randrange(2**20), timeout=HANG)
+    seed = random.randrange(2**20)
+    run_distributed(static_compiled_and_eager, 2, seed, timeout=HANG, fresh=True)
 
 
 def test_num_experts_that_differs_raises_alike():
@@ -52,7 +54,7 @@ def test_combine_refuses_the_rows_of_another_dispatch(static):
 
 def test_weight_changed_in_place_on_one_rank_raises_before_dispatch():
     """Case 5, synced dispatch: the same error on every rank, no rank left waiting."""
-    run_distributed(weight_changed_on_one_rank, 2, False, timeout=HANG)
+    run_distributed(weight_changed_on_one_rank, 2, False, timeout=HANG, fresh=True)  # (patches)
 
 
 def test_weight_changed_in_place_on_one_rank_static():
