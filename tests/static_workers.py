@@ -182,7 +182,10 @@ def static_layer_matches_synced(rank, world, backend, seed, exchange, compiled):
         if compiled:  # the compiled router's last-bit differences can flip an MXFP8
             assert sqnr_db(a, b) > 40  # rounding, or meet a cancellation in a weight gradient
         else:
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)  # (fp32 GEMM blocking)
+            # fp32 sums in another order (GEMM blocking, the weights' gradient's partial
+            # dots): errors scale with the summands, so near-cancelled entries of a large
+            # gradient need an absolute tolerance relative to its largest entry
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * max(1.0, b.abs().max().item()))
 
 
 def static_layer_reports_drops(rank, world, backend):
