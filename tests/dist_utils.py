@@ -10,7 +10,8 @@ settings goes to a kept group of that size and backend: its ranks run one case a
 another, each as if in a fresh process (the default RNG reseeded, the environment and
 torch.compile's caches reset). A group whose case fails, dies or hangs is killed; the next
 run spawns a new one. Runs that break their group on purpose (``pg_timeout``,
-``finish=False``) or change module state (``fresh=True``) get a group of their own.
+``finish=False``), change module state (``fresh=True``) or need more than KEEP_MAX_WORLD
+ranks get a group of their own.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ BACKENDS = [
     ),
 ]
 
-KEEP_GROUPS = 3  # kept process groups (by size and backend): the sizes the tests use most
+KEEP_GROUPS = 4  # kept process groups (by size and backend): 1 to 4 ranks, about 0.4 GB each
+KEEP_MAX_WORLD = 4  # larger groups (a test or two) get one of their own
 
 
 def _free_port() -> int:
@@ -52,6 +54,7 @@ def _init(rank, world, port, backend, pg_timeout) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if backend == "nccl":
         torch.cuda.set_device(rank)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # ranks share the cores
     extra = {} if pg_timeout is None else {"timeout": datetime.timedelta(seconds=pg_timeout)}
     dist.init_process_group(backend, rank=rank, world_size=world, **extra)
 
@@ -183,9 +186,10 @@ def run_distributed(
     pg_timeout: the process group's collective timeout in seconds (default: torch's), for
     workers that expect a collective to time out. finish=False: no closing barrier (for
     workers that leave the group broken on purpose). fresh=True: for workers that change
-    module state (patch a function, say). Each of the three gives the run a group of its
-    own; other runs share a kept one (see the module's docstring)."""
-    if pg_timeout is not None or not finish or fresh:
+    module state (patch a function, say). These, and groups of more than KEEP_MAX_WORLD
+    ranks, get a group of their own; other runs share a kept one (see the module's
+    docstring)."""
+    if pg_timeout is not None or not finish or fresh or world > KEEP_MAX_WORLD:
         group = _Group(world, backend, fn, args, pg_timeout, finish)
         errors = ["interrupted"]
         try:
