@@ -48,10 +48,17 @@ def tiling(request, monkeypatch):
     return request.param
 
 
+# Under the interpreter the colwise cast's time goes with N / 16 (its strips): there, rows of
+# 520 and 4104 columns stand for 1000 and 7168 (the same row blocks: 1024 and 8192 columns).
+INTERPRETER_N = {1000: 520, 7168: 4104}
+
+
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", [(3, 72, 40), (2, 37, 1000), (1, 5, 7168), (4, 33, 16)])
 def test_weight_scales_match_definitions(device, dtype, shape, tiling):
+    if device == "cpu":
+        shape = (*shape[:2], INTERPRETER_N.get(shape[2], shape[2]))
     w = _weights(*shape, dtype, device, fresh_generator())
     _assert_matches_definitions(w, ws.weight_scales(w))
 
