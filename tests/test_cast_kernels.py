@@ -135,7 +135,7 @@ def test_dequantize_random_bytes(device, shape):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_round_trip_sqnr(device, mode, dtype):
     g = fresh_generator(device)
-    x = torch.randn(256, 512, generator=g, device=device).to(dtype)
+    x = torch.randn(64, 512, generator=g, device=device).to(dtype)  # 32768 values
     y = mx.dequantize(
         *mx.quantize(x, scaling_mode=mode, backend="triton"),
         out_dtype=torch.float32,
