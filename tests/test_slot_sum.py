@@ -15,6 +15,12 @@ from mxfp8_a2a.moe import slot_sum as ss
 SHAPES = [(5, 3, 40), (7, 1, 64), (3, 8, 100), (4, 2, 2081), (2, 8, 7168), (9, 4, 17)]
 
 
+def _on(device, shape):
+    """The interpreter's 64-column blocks: 640 columns (ten whole blocks) stand for 7168 on
+    CPU, where the time goes with the blocks (2081 has the many blocks and a ragged end)."""
+    return (*shape[:2], 640) if device == "cpu" and shape[2] == 7168 else shape
+
+
 def _case(t, k, h, device, g, special=True):
     rows = make_input((t * k, h), torch.bfloat16, device, g) if special else None
     if rows is None:
@@ -28,6 +34,7 @@ def _case(t, k, h, device, g, special=True):
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_forward_matches_reference(device, shape):
+    shape = _on(device, shape)
     rows, pos, weights = _case(*shape, device, fresh_generator())
     got = ss.slot_sum(rows, pos, weights)
     want = ss.slot_sum_reference(rows, pos, weights)
@@ -39,7 +46,7 @@ def test_forward_matches_reference(device, shape):
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("weights_dtype", [torch.float32, torch.bfloat16])
 def test_backward_matches_reference(device, shape, weights_dtype):
-    t, k, h = shape
+    t, k, h = _on(device, shape)
     g = fresh_generator()
     rows, pos, weights = _case(t, k, h, device, g, special=False)
     weights = weights.to(weights_dtype)
