@@ -18,7 +18,7 @@ KERNEL_DEVICES = [
         ),
     ),
     pytest.param(
-        "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+        "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
     ),
 ]
 

@@ -144,7 +144,7 @@ def test_round_trip_sqnr(device, mode, dtype):
     assert sqnr_db(x, y) >= 28.0
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_more_than_2_31_elements():
     """64-bit offsets: rows past element 2**31 are quantized like the reference."""
     g = fresh_generator("cuda")
