@@ -188,6 +188,7 @@ def main() -> None:
     for layer in net.layers:  # a CopyEngineTransport owns symmetric memory: free it
         if isinstance(layer.transport, mx.CopyEngineTransport):
             layer.transport.close()
+    del model, opt  # DDP's reducer holds the process group: let it go before the group
     dist.destroy_process_group()
 
 
