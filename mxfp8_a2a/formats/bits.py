@@ -129,18 +129,24 @@ def fp32_to_bf16(y, SOFT: tl.constexpr):
 
 
 @triton.jit
+def block_scale_bits(x, RCEIL: tl.constexpr, HW_E8M0: tl.constexpr):
+    """The e8m0 scale byte (int32 [BLOCK_G]) of each row of 32 fp32 values ``x``: 255 where
+    the row holds a NaN."""
+    amax_bits = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
+    if HW_E8M0 and RCEIL:
+        b = e8m0_rceil_hw(amax_bits.to(tl.float32, bitcast=True))
+        return tl.where(amax_bits > 0x7F800000, 255, b)
+    return e8m0_from_amax_bits(amax_bits, RCEIL)
+
+
+@triton.jit
 def mx_quantize_blocks(x, RCEIL: tl.constexpr, HW_E8M0: tl.constexpr, SOFT: tl.constexpr):
     """MXFP8-quantize fp32 ``x`` [BLOCK_G, 32], one block of 32 per row.
 
     Returns (e4m3 bits uint8 [BLOCK_G, 32], scale byte int32 [BLOCK_G]), bit for bit what
     quantize_reference gives.
     """
-    amax_bits = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
-    if HW_E8M0 and RCEIL:
-        b = e8m0_rceil_hw(amax_bits.to(tl.float32, bitcast=True))
-        b = tl.where(amax_bits > 0x7F800000, 255, b)
-    else:
-        b = e8m0_from_amax_bits(amax_bits, RCEIL)
+    b = block_scale_bits(x, RCEIL, HW_E8M0)
     # x * 2^(127 - b) as two exact power-of-two multiplies, each factor a normal fp32
     e = 127 - b
     e_lo = e >> 1

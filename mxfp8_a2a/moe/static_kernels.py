@@ -30,9 +30,8 @@ from .. import _config
 from .._common import cdiv, check_e4m3_gpu, hw_e8m0, next_pow2
 from ..exchange.rows import wire_row
 from ..formats.bits import (
+    block_scale_bits,
     e4m3_bits_to_fp32,
-    e8m0_from_amax_bits,
-    e8m0_rceil_hw,
     fp32_to_bf16,
     fp32_to_e4m3_bits,
     store_float,
@@ -136,12 +135,7 @@ def _quantize(x, RCEIL: tl.constexpr, HW_E8M0: tl.constexpr, SOFT: tl.constexpr)
     The same e4m3 bits: where the one rounding of x * 2^(127 - b) differs from two exact
     steps, the value is below 2^-126, an e4m3 zero of x's sign either way."""
     x = to_fp32(x, SOFT)
-    amax_bits = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
-    if HW_E8M0 and RCEIL:
-        b = e8m0_rceil_hw(amax_bits.to(tl.float32, bitcast=True))
-        b = tl.where(amax_bits > 0x7F800000, 255, b)
-    else:
-        b = e8m0_from_amax_bits(amax_bits, RCEIL)
+    b = block_scale_bits(x, RCEIL, HW_E8M0)
     f = tl.where(b == 255, 0x7FC00000, tl.where(b == 254, 0x00400000, (254 - b) << 23))
     y = x * f.to(tl.float32, bitcast=True)[:, None]
     if SOFT:  # (the interpreter's casts neither round to nearest even nor saturate)
