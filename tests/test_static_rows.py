@@ -216,7 +216,7 @@ def test_which_path(device, monkeypatch):
     """bf16 / fp32 rows take the kernels, fp16 rows (and int32 indices) the references."""
     taken = []
     names = ("scatter_encode", "gather_encode", "gather_decode", "slot_sum_decode")
-    for mod, name in [(sk, n) for n in names] + [(skb, "slot_sum_decode_backward")]:
+    for mod, name in [(sr, n) for n in names] + [(skb, "slot_sum_decode_backward")]:
         fn = getattr(mod, f"{name}_op")  # the custom ops (eager calls take them too)
         monkeypatch.setattr(
             mod, f"{name}_op", lambda *a, _f=fn, _n=name: taken.append(_n) or _f(*a)
@@ -249,11 +249,11 @@ def test_ops_pass_opcheck(device, wire):
     w = torch.rand(t, k, generator=g).to(device)
     idx = rows_of.view(-1)
     for op, args in (
-        (sk.scatter_encode_op, (x, rows_of, t * k, wire, "rceil")),
-        (sk.gather_encode_op, (x, torch.where(idx < t, idx, -1), wire, "floor")),
-        (sk.gather_decode_op, (buf, idx, h, torch.float32, wire)),
-        (sk.slot_sum_decode_op, (buf, rows_of, w, h, torch.bfloat16, wire)),
-        (sk.slot_sum_decode_op, (buf, rows_of, None, h, torch.bfloat16, wire)),
+        (sr.scatter_encode_op, (x, rows_of, t * k, wire, "rceil")),
+        (sr.gather_encode_op, (x, torch.where(idx < t, idx, -1), wire, "floor")),
+        (sr.gather_decode_op, (buf, idx, h, torch.float32, wire)),
+        (sr.slot_sum_decode_op, (buf, rows_of, w, h, torch.bfloat16, wire)),
+        (sr.slot_sum_decode_op, (buf, rows_of, None, h, torch.bfloat16, wire)),
         (skb.slot_sum_decode_backward_op, (x, buf, rows_of, w, t * k, wire, "rceil")),
     ):
         torch.library.opcheck(op, args)

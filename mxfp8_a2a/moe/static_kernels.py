@@ -15,8 +15,8 @@ grad_w, summed per column block in the kernel and over the blocks in torch (the 
 within fp32 rounding, the same bits in every run).
 
 Layers: kernels -> launchers (allocation, tiles, grid) -> custom ops ``mxfp8_a2a::static_*``
-with register_fake for torch.compile (no autograd: static_dispatch.py's Functions call them
-in forward and backward). static_rows.py calls the ops.
+(static_rows.py; static_push.py's for the encoders' ``*_into`` launchers with PUSH: rows
+stored straight into the receive buffers of the group's ranks).
 """
 
 from __future__ import annotations
@@ -147,12 +147,20 @@ def _quantize(x, RCEIL: tl.constexpr, HW_E8M0: tl.constexpr, SOFT: tl.constexpr)
 
 
 @triton.jit
-def _store_wire(buf_ptr, row, c0, cols, mask, v, s, hidden, row_stride, MX: tl.constexpr):
+def _store_wire(buf_ptr, row, c0, cols, mask, v, s, hidden, row_stride, cap, MX: tl.constexpr,
+                PUSH: tl.constexpr):  # fmt: skip
     """Store lanes at wire rows ``row`` (int64 [L], -1: none): values ``v`` [L, W] (MX:
     e4m3 bits, ``s`` the scale bytes [L]; the lanes at column 0 zero their row's pad, the
-    row_stride - 33 * hidden / 32 bytes past the scales)."""
+    row_stride - 33 * hidden / 32 bytes past the scales). PUSH: buf_ptr is an int64 table
+    [W] of addresses (where this rank's rows start in each rank's receive buffer) and row r
+    goes to row r % cap there, of table[r // cap] (an all-to-all of equal splits ``cap``)."""
     ok = row >= 0
-    at = buf_ptr + row * row_stride
+    if PUSH:
+        r = tl.where(ok, row, 0)
+        base = tl.load(buf_ptr + r // cap, mask=ok, other=0).to(tl.pointer_type(v.dtype))
+        at = base + (r % cap) * row_stride
+    else:
+        at = buf_ptr + row * row_stride
     tl.store(at[:, None] + cols, v, mask=mask & ok[:, None])
     if MX:
         tl.store(at + hidden + c0 // 32, s, mask=ok)
@@ -168,9 +176,10 @@ def _store_wire(buf_ptr, row, c0, cols, mask, v, s, hidden, row_stride, MX: tl.c
 
 @triton.jit
 def _scatter_encode_kernel(
-    x_ptr, rows_of_ptr, buf_ptr, n_tokens, hidden, stride_x, row_stride,
+    x_ptr, rows_of_ptr, buf_ptr, n_tokens, hidden, stride_x, row_stride, cap,
     K: tl.constexpr, MX: tl.constexpr, RCEIL: tl.constexpr, HW_E8M0: tl.constexpr,
     SOFT: tl.constexpr, BLOCK_T: tl.constexpr, NB: tl.constexpr, W: tl.constexpr,
+    PUSH: tl.constexpr,
 ):  # fmt: skip
     """x [n_tokens, hidden] (row stride stride_x) -> buf[rows_of[t, j]] = encode(x[t]) for
     rows_of int64 [n_tokens, K]; each tile read and encoded once, stored K times."""
@@ -184,16 +193,17 @@ def _scatter_encode_kernel(
         v, s = x, c0
     for j in tl.static_range(K):
         row = tl.load(rows_of_ptr + t * K + j, mask=lmask, other=-1)
-        _store_wire(buf_ptr, row, c0, cols, mask, v, s, hidden, row_stride, MX)
+        _store_wire(buf_ptr, row, c0, cols, mask, v, s, hidden, row_stride, cap, MX, PUSH)
 
 
 @triton.jit
 def _gather_encode_kernel(
-    y_ptr, index_ptr, buf_ptr, n_out, hidden, stride_y, row_stride,
+    y_ptr, index_ptr, buf_ptr, n_out, hidden, stride_y, row_stride, cap,
     MX: tl.constexpr, RCEIL: tl.constexpr, HW_E8M0: tl.constexpr, SOFT: tl.constexpr,
-    BLOCK_T: tl.constexpr, NB: tl.constexpr, W: tl.constexpr,
+    BLOCK_T: tl.constexpr, NB: tl.constexpr, W: tl.constexpr, PUSH: tl.constexpr,
 ):  # fmt: skip
-    """buf[i] = encode(y[index[i]]) (zeros where index[i] = -1) for i < n_out."""
+    """buf[i] = encode(y[index[i]]) (zeros where index[i] = -1; PUSH: not written) for
+    i < n_out."""
     first = tl.program_id(0).to(tl.int64) * BLOCK_T
     h0 = tl.program_id(1) * (NB * W)
     i, c0, cols, lmask, mask = _lanes(first, h0, n_out, hidden, BLOCK_T, NB, W, MX)
@@ -203,8 +213,11 @@ def _gather_encode_kernel(
         v, s = _quantize(x, RCEIL, HW_E8M0, SOFT)
     else:
         v, s = x, c0
-    row = tl.where(lmask, i, -1)
-    _store_wire(buf_ptr, row, c0, cols, mask, v, s, hidden, row_stride, MX)
+    if PUSH:  # (no zero rows on the wire: receivers read only the rows sent to them)
+        row = tl.where(lmask & (src >= 0), i, -1)
+    else:
+        row = tl.where(lmask, i, -1)
+    _store_wire(buf_ptr, row, c0, cols, mask, v, s, hidden, row_stride, cap, MX, PUSH)
 
 
 @triton.jit
@@ -294,30 +307,47 @@ def _launch(kernel, rows: int, hidden: int, args: tuple, consts: dict, wire: str
     launch(kernel, grid, args, consts, _config.STATIC_ROWS_NUM_WARPS, enable_fp_fusion=False)
 
 
+def scatter_encode_into(x: Tensor, rows_of: Tensor, dest: Tensor, row_stride: int, cap: int,
+                        wire: str, scaling_mode: str, push: bool) -> None:  # fmt: skip
+    """The scatter_encode kernel into ``dest``: a wire buffer (row_stride elements a row), or
+    with ``push`` an int64 table [W] of addresses (_store_wire's PUSH)."""
+    (t, h), k = x.shape, rows_of.shape[1]
+    if min(t, k, h) > 0:
+        x = _unit_cols(x)
+        args = (x, rows_of.contiguous(), dest, t, h, x.stride(0), row_stride, cap)
+        consts = dict(K=k, PUSH=push, **_consts(wire, x.device, scaling_mode))
+        _launch(_scatter_encode_kernel, t, h, args, consts, wire)
+
+
+def gather_encode_into(y: Tensor, index: Tensor, dest: Tensor, row_stride: int, cap: int,
+                       wire: str, scaling_mode: str, push: bool) -> None:  # fmt: skip
+    """The gather_encode kernel into ``dest`` (as scatter_encode_into) for index int64 [R]."""
+    (n, h), r = y.shape, index.numel()
+    if min(n, r, h) > 0:
+        y = _unit_cols(y)
+        args = (y, index.contiguous(), dest, r, h, y.stride(0), row_stride, cap)
+        consts = dict(PUSH=push, **_consts(wire, y.device, scaling_mode))
+        _launch(_gather_encode_kernel, r, h, args, consts, wire)
+
+
 def scatter_encode(x: Tensor, rows_of: Tensor, n_rows: int, wire: str, scaling_mode: str) -> Tensor:
     """x bf16/fp32 [T, H], rows_of int64 [T, k] (values < n_rows) -> wire buffer [n_rows]
     with encode(x[t]) at every rows_of[t, j] >= 0; rows no token targets left unwritten."""
-    (t, h), k = x.shape, rows_of.shape[1]
-    shape, dtype = wire_shape(n_rows, h, x.dtype, wire)
+    shape, dtype = wire_shape(n_rows, x.shape[1], x.dtype, wire)
     buf = torch.empty(shape, dtype=dtype, device=x.device)
-    if min(t, k, n_rows, h) > 0:
-        x = _unit_cols(x)
-        args = (x, rows_of.contiguous(), buf, t, h, x.stride(0), buf.stride(0))
-        consts = dict(K=k, **_consts(wire, x.device, scaling_mode))
-        _launch(_scatter_encode_kernel, t, h, args, consts, wire)
+    if n_rows:
+        scatter_encode_into(x, rows_of, buf, buf.stride(0), 1, wire, scaling_mode, False)
     return buf
 
 
 def gather_encode(y: Tensor, index: Tensor, wire: str, scaling_mode: str) -> Tensor:
     """y bf16/fp32 [N, H], index int64 [R] -> wire buffer [R]: encode(y[index[i]]), zero rows
     (all zero bytes for "mxfp8") where index[i] = -1."""
-    (n, h), r = y.shape, index.numel()
-    shape, dtype = wire_shape(r, h, y.dtype, wire)
-    if min(n, r, h) == 0:  # (without rows to read, every index is -1)
+    shape, dtype = wire_shape(index.numel(), y.shape[1], y.dtype, wire)
+    if min(*y.shape, index.numel()) == 0:  # (without rows to read, every index is -1)
         return torch.zeros(shape, dtype=dtype, device=y.device)
-    buf, y = torch.empty(shape, dtype=dtype, device=y.device), _unit_cols(y)
-    args = (y, index.contiguous(), buf, r, h, y.stride(0), buf.stride(0))
-    _launch(_gather_encode_kernel, r, h, args, _consts(wire, y.device, scaling_mode), wire)
+    buf = torch.empty(shape, dtype=dtype, device=y.device)
+    gather_encode_into(y, index, buf, buf.stride(0), 1, wire, scaling_mode, False)
     return buf
 
 
@@ -357,38 +387,3 @@ def slot_sum_decode(
     args = (buf, rows_of, w, out, t, hidden, buf.stride(0))
     _launch(_slot_sum_decode_kernel, t, hidden, args, consts, wire)
     return out
-
-
-# ---------------------------------------------------------------------------- custom ops
-
-
-def _op(name: str, fn):
-    return torch.library.custom_op(f"mxfp8_a2a::static_{name}", fn, mutates_args=())
-
-
-scatter_encode_op = _op("scatter_encode", scatter_encode)
-gather_encode_op = _op("gather_encode", gather_encode)
-gather_decode_op = _op("gather_decode", gather_decode)
-slot_sum_decode_op = _op("slot_sum_decode", slot_sum_decode)
-
-
-@scatter_encode_op.register_fake
-def _(x, rows_of, n_rows, wire, scaling_mode):
-    shape, dtype = wire_shape(n_rows, x.shape[1], x.dtype, wire)
-    return x.new_empty(shape, dtype=dtype)
-
-
-@gather_encode_op.register_fake
-def _(y, index, wire, scaling_mode):
-    shape, dtype = wire_shape(index.shape[0], y.shape[1], y.dtype, wire)
-    return y.new_empty(shape, dtype=dtype)
-
-
-@gather_decode_op.register_fake
-def _(buf, index, hidden, dtype, wire):
-    return buf.new_empty((index.shape[0], hidden), dtype=dtype)
-
-
-@slot_sum_decode_op.register_fake
-def _(buf, rows_of, weights, hidden, dtype, wire):
-    return buf.new_empty((rows_of.shape[0], hidden), dtype=dtype)

@@ -140,6 +140,43 @@ def slot_sum_decode_backward_reference(
     return out, grad_w
 
 
+# ---------------------------------------------------------------------------- custom ops
+# static_kernels.py's launchers as ops (register_fake for torch.compile; no autograd:
+# static_dispatch.py's Functions call them in forward and backward).
+
+
+def _op(name: str, fn):
+    return torch.library.custom_op(f"mxfp8_a2a::static_{name}", fn, mutates_args=())
+
+
+scatter_encode_op = _op("scatter_encode", sk.scatter_encode)
+gather_encode_op = _op("gather_encode", sk.gather_encode)
+gather_decode_op = _op("gather_decode", sk.gather_decode)
+slot_sum_decode_op = _op("slot_sum_decode", sk.slot_sum_decode)
+
+
+@scatter_encode_op.register_fake
+def _(x, rows_of, n_rows, wire, scaling_mode):
+    shape, dtype = wire_shape(n_rows, x.shape[1], x.dtype, wire)
+    return x.new_empty(shape, dtype=dtype)
+
+
+@gather_encode_op.register_fake
+def _(y, index, wire, scaling_mode):
+    shape, dtype = wire_shape(index.shape[0], y.shape[1], y.dtype, wire)
+    return y.new_empty(shape, dtype=dtype)
+
+
+@gather_decode_op.register_fake
+def _(buf, index, hidden, dtype, wire):
+    return buf.new_empty((index.shape[0], hidden), dtype=dtype)
+
+
+@slot_sum_decode_op.register_fake
+def _(buf, rows_of, weights, hidden, dtype, wire):
+    return buf.new_empty((rows_of.shape[0], hidden), dtype=dtype)
+
+
 # ---------------------------------------------------------------------------- public
 # The kernels take what they can (anything else goes to the references, which raise on what
 # they cannot take either): bf16/fp32 rows, H % 32 == 0 for "mxfp8", int64 indices and
@@ -185,7 +222,7 @@ def scatter_encode(
         and rows_of.shape[0] == x.shape[0]
         and _kernels(x.device, x.dtype, wire, x.shape[1], rows_of)
     ):
-        return sk.scatter_encode_op(x, rows_of, n_rows, wire, scaling_mode)
+        return scatter_encode_op(x, rows_of, n_rows, wire, scaling_mode)
     return scatter_encode_reference(x, rows_of, n_rows, wire, scaling_mode)
 
 
@@ -196,7 +233,7 @@ def gather_encode(
     -1 (for "mxfp8" all zero bytes)."""
     check_scaling_mode(scaling_mode)
     if y.dim() == 2 and index.dim() == 1 and _kernels(y.device, y.dtype, wire, y.shape[1], index):
-        return sk.gather_encode_op(y, index, wire, scaling_mode)
+        return gather_encode_op(y, index, wire, scaling_mode)
     return gather_encode_reference(y, index, wire, scaling_mode)
 
 
@@ -206,7 +243,7 @@ def gather_decode(
     """buf: a wire buffer; index int64 [N] -> [N, hidden] in ``dtype``: decode(buf[index[i]]),
     zeros for -1."""
     if index.dim() == 1 and _decodes(buf, dtype, wire, hidden, index):
-        return sk.gather_decode_op(buf, index, hidden, dtype, wire)
+        return gather_decode_op(buf, index, hidden, dtype, wire)
     return gather_decode_reference(buf, index, hidden, dtype, wire)
 
 
@@ -227,7 +264,7 @@ def slot_sum_decode(
         and _weights_fit(weights, rows_of)
         and _decodes(buf, dtype, wire, hidden, rows_of)
     ):
-        return sk.slot_sum_decode_op(buf, rows_of, weights, hidden, dtype, wire)
+        return slot_sum_decode_op(buf, rows_of, weights, hidden, dtype, wire)
     return slot_sum_decode_reference(buf, rows_of, weights, hidden, dtype, wire)
 
 
