@@ -135,23 +135,13 @@ def _cast_span(x_ptr, data_ptr, o, omask, j0, j1, held_end, src, scale, sxo, sxg
 
 
 @triton.jit
-def _amax_kernel(
-    x_ptr, offs_ptr, ws_ptr, n_other, extent, n_groups, sxb, sxo, sxg, n_strips,
-    SOFT: tl.constexpr, INT64: tl.constexpr, BO: tl.constexpr, BL: tl.constexpr,
-    SUB: tl.constexpr, BG: tl.constexpr, ALIGN: tl.constexpr, STAGES: tl.constexpr,
+def _amax_tile(
+    x_ptr, ws_ptr, o, omask, lo, hi, gi, valid, starts, ends, n_other, sxo, sxg,
+    SOFT: tl.constexpr, INT64: tl.constexpr, BO: tl.constexpr, SUB: tl.constexpr,
+    ALIGN: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
-    """ws: int32 [batch, n_groups, n_other], zeroed: max of the amax bits of every tile.
-    Grid: (cdiv(extent, BL) * n_strips, batch); neighbouring programs read neighbouring
-    strips of the same rows."""
-    t = tl.program_id(0)
-    b = tl.program_id(1)
-    x_ptr = _batch(x_ptr, b, sxb, INT64)
-    ws_ptr = _batch_table(ws_ptr, b, n_groups, n_other, INT64)
-    gi, valid, starts, ends = group_bounds(offs_ptr, n_groups, extent, BG)
-    o = t % n_strips * BO + tl.arange(0, BO)
-    omask = o < n_other
-    lo = t // n_strips * BL
-    hi = tl.minimum(lo + BL, extent)
+    """The tile of other-axis indices o and group-axis indices [lo, hi): each group's amax
+    bits merged into ws [n_groups, n_other] by atomic max (relaxed)."""
     g_first = tl.sum((valid & (ends <= lo)).to(tl.int32), axis=0)
     g_end = tl.sum((valid & (starts < hi)).to(tl.int32), axis=0)
     for g in range(g_first, g_end):
@@ -168,33 +158,35 @@ def _amax_kernel(
 
 
 @triton.jit
-def _cast_kernel(
-    x_ptr, offs_ptr, ws_ptr, scale_ptr, data_ptr, pad_ptr, n_other, extent, n_groups,
-    dest_extent, sxb, sxo, sxg, sdb, sdo, sdg, n_strips, n_chunks,
-    ROUND_POW2: tl.constexpr, SOFT: tl.constexpr, INT64: tl.constexpr, PAD: tl.constexpr,
-    BO: tl.constexpr, BL: tl.constexpr, SUB: tl.constexpr, BG: tl.constexpr,
-    ALIGN: tl.constexpr, STAGES: tl.constexpr, INVERSE: tl.constexpr,
+def _amax_kernel(
+    x_ptr, offs_ptr, ws_ptr, n_other, extent, n_groups, sxb, sxo, sxg, n_strips,
+    SOFT: tl.constexpr, INT64: tl.constexpr, BO: tl.constexpr, BL: tl.constexpr,
+    SUB: tl.constexpr, BG: tl.constexpr, ALIGN: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
-    """data: uint8 e4m3 bits [batch, other, dest_extent] through strides (sdb, sdo, sdg), every
-    index written; scale: fp32 [batch, n_groups, n_other] (INVERSE: their reciprocals); ws:
-    the amax kernel's workspace; pad_ptr: int32 [n_groups] padded end offsets (PAD). Grid:
-    (n_chunks * n_strips, batch), n_chunks = cdiv(dest_extent, BL). Tiles run last first:
-    the rows the amax launch read last are the likeliest still in L2 (H200, kernel time with
-    L2 flushed before each call, 4 rounds: the weights [16, 2048, 768] per column 44.7 ->
-    42.1 us; (16640, 8192) at 1 / 16 / 64 groups and the large weights within 1%)."""
-    t = tl.num_programs(0) - 1 - tl.program_id(0)
-    b = tl.num_programs(1) - 1 - tl.program_id(1)
+    """ws: int32 [batch, n_groups, n_other], zeroed: max of the amax bits of every tile.
+    Grid: (cdiv(extent, BL) * n_strips, batch); neighbouring programs read neighbouring
+    strips of the same rows."""
+    t = tl.program_id(0)
+    b = tl.program_id(1)
     x_ptr = _batch(x_ptr, b, sxb, INT64)
-    data_ptr = _batch(data_ptr, b, sdb, INT64)
     ws_ptr = _batch_table(ws_ptr, b, n_groups, n_other, INT64)
-    scale_ptr = _batch_table(scale_ptr, b, n_groups, n_other, INT64)
     gi, valid, starts, ends = group_bounds(offs_ptr, n_groups, extent, BG)
-    p, r = _destinations(gi, valid, starts, ends, n_groups, dest_extent, PAD)
-    if PAD:
-        tl.store(pad_ptr + gi, r, mask=gi < tl.where((t == 0) & (b == 0), n_groups, 0))
     o = t % n_strips * BO + tl.arange(0, BO)
-    omask = o < n_other
-    chunk = t // n_strips
+    lo = t // n_strips * BL
+    _amax_tile(x_ptr, ws_ptr, o, o < n_other, lo, tl.minimum(lo + BL, extent), gi, valid,
+               starts, ends, n_other, sxo, sxg, SOFT, INT64, BO, SUB, ALIGN, STAGES)  # fmt: skip
+
+
+@triton.jit
+def _cast_tile(
+    x_ptr, data_ptr, ws_ptr, scale_ptr, o, omask, chunk, n_chunks, gi, valid, starts, ends, p, r,
+    n_other, dest_extent, sxo, sxg, sdo, sdg,
+    ROUND_POW2: tl.constexpr, SOFT: tl.constexpr, INT64: tl.constexpr, BL: tl.constexpr,
+    SUB: tl.constexpr, ALIGN: tl.constexpr, STAGES: tl.constexpr, INVERSE: tl.constexpr,
+):  # fmt: skip
+    """The tile of other-axis indices o and destination chunk ``chunk`` (indices [chunk * BL,
+    + BL)): scales from the finished amax bits in ws, the e4m3 data of every group region it
+    meets (_destinations' p, r), the scales of the groups whose first index it holds."""
     lo = chunk * BL
     hi = tl.minimum(lo + BL, dest_extent)
     # groups whose region meets [lo, hi), and those whose scales this tile writes (p in
@@ -227,3 +219,34 @@ def _cast_kernel(
         else:
             _cast_span(x_ptr, data_ptr, o, omask, j0, j1, pg + rows, src, scale,
                        sxo, sxg, sdo, sdg, SOFT, INT64, SUB, STAGES)  # fmt: skip
+
+
+@triton.jit
+def _cast_kernel(
+    x_ptr, offs_ptr, ws_ptr, scale_ptr, data_ptr, pad_ptr, n_other, extent, n_groups,
+    dest_extent, sxb, sxo, sxg, sdb, sdo, sdg, n_strips, n_chunks,
+    ROUND_POW2: tl.constexpr, SOFT: tl.constexpr, INT64: tl.constexpr, PAD: tl.constexpr,
+    BO: tl.constexpr, BL: tl.constexpr, SUB: tl.constexpr, BG: tl.constexpr,
+    ALIGN: tl.constexpr, STAGES: tl.constexpr, INVERSE: tl.constexpr,
+):  # fmt: skip
+    """data: uint8 e4m3 bits [batch, other, dest_extent] through strides (sdb, sdo, sdg), every
+    index written; scale: fp32 [batch, n_groups, n_other] (INVERSE: their reciprocals); ws:
+    the amax kernel's workspace; pad_ptr: int32 [n_groups] padded end offsets (PAD). Grid:
+    (n_chunks * n_strips, batch), n_chunks = cdiv(dest_extent, BL). Tiles run last first:
+    the rows the amax launch read last are the likeliest still in L2 (H200, kernel time with
+    L2 flushed before each call, 4 rounds: the weights [16, 2048, 768] per column 44.7 ->
+    42.1 us; (16640, 8192) at 1 / 16 / 64 groups and the large weights within 1%)."""
+    t = tl.num_programs(0) - 1 - tl.program_id(0)
+    b = tl.num_programs(1) - 1 - tl.program_id(1)
+    x_ptr = _batch(x_ptr, b, sxb, INT64)
+    data_ptr = _batch(data_ptr, b, sdb, INT64)
+    ws_ptr = _batch_table(ws_ptr, b, n_groups, n_other, INT64)
+    scale_ptr = _batch_table(scale_ptr, b, n_groups, n_other, INT64)
+    gi, valid, starts, ends = group_bounds(offs_ptr, n_groups, extent, BG)
+    p, r = _destinations(gi, valid, starts, ends, n_groups, dest_extent, PAD)
+    if PAD:
+        tl.store(pad_ptr + gi, r, mask=gi < tl.where((t == 0) & (b == 0), n_groups, 0))
+    o = t % n_strips * BO + tl.arange(0, BO)
+    _cast_tile(x_ptr, data_ptr, ws_ptr, scale_ptr, o, o < n_other, t // n_strips, n_chunks, gi,
+               valid, starts, ends, p, r, n_other, dest_extent, sxo, sxg, sdo, sdg, ROUND_POW2,
+               SOFT, INT64, BL, SUB, ALIGN, STAGES, INVERSE)  # fmt: skip
