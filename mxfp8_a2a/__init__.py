@@ -5,7 +5,8 @@ Layers (one subpackage each):
                  layout: quantize, dequantize, quantize_packed, dequantize_packed, pack,
                  unpack, packed_row_bytes, quantize_dequantize, *_reference
     exchange  -- to_mxfp8_a2a_dequant (differentiable MXFP8 all-to-all),
-                 compute_output_splits; transports: "nccl" (default), CopyEngineTransport
+                 compute_output_splits; transports: "nccl" (default), CopyEngineTransport;
+                 PushBuffer, static_transport (the static dispatch's one-node transport)
     moe       -- dispatch, combine, ExpertParallelMoE; dispatch_static, combine_static
                  (sync-free, fixed shapes), capacity_for, static_rows, check_no_drops;
                  prepare_ddp, shard_experts (data parallelism), full_state_dict,
@@ -18,8 +19,11 @@ Layers (one subpackage each):
 from .exchange import (
     CopyEngineTransport,
     NcclTransport,
+    PushBuffer,
     Transport,
     compute_output_splits,
+    push_unavailable,
+    static_transport,
     to_mxfp8_a2a_dequant,
 )
 from .formats import (
@@ -64,6 +68,7 @@ __all__ = [
     "Fp8Weights",
     "StaticHandle",
     "NcclTransport",
+    "PushBuffer",
     "Transport",
     "capacity_for",
     "check_no_drops",
@@ -91,6 +96,8 @@ __all__ = [
     "quantize_reference",
     "shard_experts",
     "static_rows",
+    "static_transport",
+    "push_unavailable",
     "to_mxfp8_a2a_dequant",
     "unpack",
 ]

@@ -76,6 +76,23 @@ def static_matches_model(rank, world, backend, seed, tokens_by_rank, top_k, per_
     w.requires_grad_(True)
     out, offs, handle = mx.dispatch_static(x, ids, experts, capacity, exchange=exchange,
                                            align=align)  # fmt: skip
+    res = mx.combine_static(out, w, handle)
+    (res.float() * grad.float()).sum().backward()
+    want_stats = check_model(rank, world, seed, tokens_by_rank, top_k, per_rank, routing,
+                             capacity, exchange, align,
+                             (out, offs, handle.stats, res, x.grad, w.grad))  # fmt: skip
+    dist.barrier()
+    return want_stats
+
+
+def check_model(rank, world, seed, tokens_by_rank, top_k, per_rank, routing, capacity,
+                exchange, align, got):  # fmt: skip
+    """Rank ``rank``'s results got = (dispatch's out, offs, stats, combine's out of identity
+    experts, x.grad, w.grad for the loss sum(out * grad)) against the model; returns the
+    stats it expects."""
+    out, offs, stats, res, x_grad, w_grad = got
+    experts = per_rank * world
+    x, ids, w, grad = inputs(rank, seed, tokens_by_rank[rank], top_k, experts, routing, "cpu")
     assert out.shape == (static_rows(capacity, world, per_rank, align), HIDDEN)
     blocks = expected_blocks(rank, world, seed, tokens_by_rank, top_k, experts, routing,
                              capacity, exchange)  # fmt: skip
@@ -92,11 +109,9 @@ def static_matches_model(rank, world, backend, seed, tokens_by_rank, top_k, per_
     local_ids = ids.cpu()
     per_dest = [int(((local_ids // per_rank) == d).sum()) for d in range(world)]
     want_stats = [int((~kept).sum()), max(per_dest, default=0), 0, 0]
-    assert handle.stats.tolist() == want_stats, (handle.stats.tolist(), want_stats)
+    assert stats.tolist() == want_stats, (stats.tolist(), want_stats)
     # identity experts: combine gives sum over kept j of bf16(w) * rt(x[t]), fp32 in order
-    res = mx.combine_static(out, w, handle)
-    (res.float() * grad.float()).sum().backward()
-    xc, wc, gc, kc = x.detach().cpu(), w.detach().cpu(), grad.cpu(), kept
+    xc, wc, gc, kc = x, w, grad, kept
     rt = decode(encode(xc, exchange), HIDDEN, xc.dtype, exchange).float()
     wb = wc.bfloat16().float()
     want = torch.zeros(xc.shape)
@@ -110,10 +125,9 @@ def static_matches_model(rank, world, backend, seed, tokens_by_rank, top_k, per_
         want_gx = torch.where(m, want_gx + gj, want_gx)
         want_gw[:, j] = torch.where(m[:, 0], (gc.float() * rt).sum(1), 0.0)
     assert torch.equal(res.detach().cpu(), want.bfloat16())
-    assert torch.equal(x.grad.cpu(), want_gx.bfloat16())
-    torch.testing.assert_close(w.grad.cpu(), want_gw, rtol=1e-5, atol=1e-5)
-    assert not w.grad.cpu()[~kc].any()
-    dist.barrier()
+    assert torch.equal(x_grad.cpu(), want_gx.bfloat16())
+    torch.testing.assert_close(w_grad.cpu(), want_gw, rtol=1e-5, atol=1e-5)
+    assert not w_grad.cpu()[~kc].any()
     return want_stats
 
 

@@ -3,12 +3,16 @@
 from .api import compute_output_splits, to_mxfp8_a2a_dequant
 from .copy_engine import CopyEngineTransport
 from .nccl import NcclTransport
+from .push import PushBuffer, push_unavailable, static_transport
 from .transport import Transport
 
 __all__ = [
     "CopyEngineTransport",
     "NcclTransport",
+    "PushBuffer",
     "Transport",
     "compute_output_splits",
+    "push_unavailable",
+    "static_transport",
     "to_mxfp8_a2a_dequant",
 ]

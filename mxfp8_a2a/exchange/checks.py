@@ -35,7 +35,7 @@ def device_error(device: torch.device, group: dist.ProcessGroup | None) -> str |
     """What is wrong with exchanging tensors of ``device`` over ``group``, or None: a tensor
     off CUDA on a group whose only backend is NCCL (a group made with "cpu:gloo,cuda:nccl"
     exchanges CPU tensors over gloo)."""
-    if device.type == "cuda":
+    if device.type == "cuda" or not dist.is_initialized():  # (no group: nothing to take it)
         return None
     backend = str(dist.get_backend(group))
     if "nccl" in backend and "cpu:" not in backend and "gloo" not in backend:

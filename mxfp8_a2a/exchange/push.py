@@ -1,205 +1,337 @@
-"""Rows pushed into their destination's receive buffer: the building blocks of a
-device-driven exchange (no host read of the splits).
+"""PushBuffer: a receive buffer in the memory of every rank of a one-node group, which the
+ranks' kernels store rows into directly (the "push" transport of the static dispatch,
+moe/static_push.py), and the barrier between the ranks' kernels.
 
-Every rank holds the same counts matrix ``counts`` int [W, W] on its device: counts[s, d]
-rows go from rank s to rank d (on GPUs of one node, each rank writes its row of it into
-every peer's symmetric memory; in tests, W emulated ranks share one). Rank d's receive
-buffer is uint8 [capacity, wire_row(K)] (rows.py's wire rows), holding source s's rows at
-rows [start[s, d], start[s, d] + counts[s, d]), start[s, d] = the sum of counts[s', d] over
-s' < s: source-major, the order of all_to_all_single's output.
+Each rank owns one allocation of the same size, in torch symmetric memory (mapped into
+every peer's address space; torch.distributed._symmetric_memory, a private torch API,
+checked at construction), or, for W ranks emulated in one process (tests, benchmarks), W
+plain device tensors. Bytes of rank d's allocation:
 
-- :func:`receive_plan`: start, rows received and overflow flags from ``counts``, on the
-  device.
-- :func:`push_rows`: one kernel reads each row of a rank's x once, MXFP8-quantizes it (the
-  bits of quantize_packed) and stores the wire row straight into its destination's buffer,
-  addressed through a table of the W buffers' addresses. Rows that would land at or past
-  ``capacity`` are not written (the plan's overflow flag says so; nothing is corrupted).
-- :func:`unpack_received`: a buffer's rows in x's dtype, rows from the received count on
-  zero (never the buffer's unwritten bytes), and that count clipped to the capacity.
+- pads int64 [W]: pads[s] = the last barrier rank s has signalled to rank d;
+- counts int64 [W, C]: row s, the counts message rank s sent rank d (C count columns);
+- rows: [W * cap, row] wire rows, source s's rows at [s * cap, (s + 1) * cap) for the call's
+  cap <= capacity (the layout of all_to_all_single's output with equal splits cap).
 
-What a transport adds on GPUs is the ordering between them: the pushes' stores must be
-visible to the receiver before it reads (a system-scope release after a rank's last store,
-an acquire before the receiver's first read, e.g. a symmetric-memory barrier), and a buffer
-may be written again only after its receiver has read it.
+An exchange on the push transport is: barrier; every rank stores its rows (and counts) into
+the receivers' buffers; barrier; every rank reads its own buffer. The first barrier keeps a
+rank from writing into a buffer its receiver is still reading (the receiver joins it only
+after the reads of its previous exchange, queued before it on the same stream); the second
+makes the rows visible before they are read.
+
+Memory ordering across GPUs: the stores are plain stores by the push kernel; the barrier is
+a later kernel on the same stream, so those stores happen before it. In the barrier, each
+program signals one peer with an atomic max at system scope with release semantics (the
+stores before it become visible to whoever acquires the signal) and then spins on its own pad
+with acquire semantics (an atomic read at system scope) until that peer's signal arrives;
+the kernels after it, on the same stream, read after the acquire. Signals are epochs (the
+n-th barrier writes n), not flags: a pad needs no reset, so a CUDA graph replays the same
+kernels, and repeated or reordered signals are harmless (atomic max). Every rank must run the
+same sequence of exchanges (as for any collective).
+
+A spin gives up after ``spin_limit`` iterations (None: never), sets the error flag that
+:meth:`PushBuffer.check` raises on, and lets the stream go on with whatever the buffer holds;
+after that the epochs of the ranks differ: :meth:`PushBuffer.reset` on every rank.
 """
 
 from __future__ import annotations
 
+import itertools
+import socket
+import weakref
+
 import torch
+import torch.distributed as dist
 import triton
 import triton.language as tl
 
 from .. import _config
-from .._common import (
-    BLOCK,
-    block_count,
-    cdiv,
-    check_e4m3_gpu,
-    check_scaling_mode,
-    hw_e8m0,
-    next_pow2,
-)
-from ..formats.bits import block_tile, mx_quantize_blocks, to_fp32
-from ..formats.packing import pack
-from ..formats.quantize import quantize_reference
-from .rows import dequantize_into, wire_row
+from .._common import next_pow2
+from .rows import wire_row
 
-
-def receive_plan(
-    counts: torch.Tensor, capacity: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """From counts int [W, W] (counts[s, d]: rows rank s sends to rank d), on its device,
-    without a host read: start int64 [W, W] (where source s's rows begin in rank d's
-    buffer), received int64 [W] (rows rank d receives, unclipped) and overflow bool [W]
-    (received > capacity)."""
-    if counts.dim() != 2 or counts.shape[0] != counts.shape[1]:
-        raise ValueError(f"counts must be a square [W, W] tensor, got shape {tuple(counts.shape)}")
-    if counts.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"counts must be int32 or int64, got {counts.dtype}")
-    if capacity < 0:
-        raise ValueError(f"capacity must be >= 0, got {capacity}")
-    c = counts.to(torch.int64)
-    received = c.sum(0)
-    return c.cumsum(0) - c, received, received > capacity
+_ALIGN = 256  # byte alignment of each region of a buffer
+_NEVER = 2**62  # spin_limit None
+_BUFFERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # key -> PushBuffer
+_KEYS = itertools.count(1)
 
 
 @triton.jit
-def _push_kernel(
-    x_ptr,  # bf16/fp32 [M, K], strides (stride_xm, stride_xk), rows grouped by destination
-    table_ptr,  # int64 [W]: address of each destination's receive buffer
-    begin_ptr,  # int64 [W]: first row of x for each destination (exclusive cumsum of count)
-    count_ptr,  # int64 [W]: rows of x for each destination
-    start_ptr,  # int64 [W]: where they begin in the destination's buffer
-    n_groups,  # M * K // 32
-    groups_per_row,  # K // 32
-    n_dest,  # W
-    stride_xm,
-    stride_xk,
-    row_bytes,  # wire row bytes
-    capacity,  # rows per receive buffer
-    k,  # K
-    RCEIL: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    BW: tl.constexpr,  # next power of two >= W
-    SOFT: tl.constexpr,
-    HW_E8M0: tl.constexpr,
-):
-    """Each program: BLOCK_G blocks of 32 of x, quantized and stored at their row's place in
-    its destination's buffer (int64 offsets there: a buffer may pass 2**31 bytes)."""
-    tile = tl.program_id(0)
-    gmask, row, cg = block_tile(tile, BLOCK_G, n_groups, groups_per_row)
-    row = row.to(tl.int64)
-    # destination of each row: the last one whose segment begins at or before it (empty
-    # segments begin where the next one does, so the last is the one that holds the row)
-    wi = tl.arange(0, BW)
-    begins = tl.load(begin_ptr + wi, mask=wi < n_dest, other=0)
-    at_or_before = (begins[None, :] <= row[:, None]) & (wi < n_dest)[None, :]
-    d = tl.sum(at_or_before.to(tl.int32), axis=1) - 1
-    d = tl.maximum(d, 0)
-    local = row - tl.load(begin_ptr + d, mask=gmask, other=0)
-    dest_row = tl.load(start_ptr + d, mask=gmask, other=0) + local
-    # (the bounds also hold for bad counts, e.g. negative ones: nothing lands outside a buffer)
-    in_segment = (local >= 0) & (local < tl.load(count_ptr + d, mask=gmask, other=0))
-    ok = gmask & in_segment & (dest_row >= 0) & (dest_row < capacity)
-    col = cg[:, None] * 32 + tl.arange(0, 32)[None, :]
-    x_at = row[:, None] * stride_xm + col.to(tl.int64) * stride_xk  # may pass 2**31
-    x = tl.load(x_ptr + x_at, mask=gmask[:, None])
-    q, b = mx_quantize_blocks(to_fp32(x, SOFT), RCEIL, HW_E8M0, SOFT)
-    base = tl.load(table_ptr + d, mask=ok, other=0).to(tl.pointer_type(tl.uint8))
-    # buffers and wire rows are 16-byte aligned (rows.py): say so, so that stores are vectors
-    dest = tl.multiple_of(base + dest_row * row_bytes, 16)
-    tl.store(dest[:, None] + col, q, mask=ok[:, None])
-    tl.store(dest + k + cg, b.to(tl.uint8), mask=ok)
+def _barrier_kernel(addr_ptr, epoch_ptr, err_ptr, world, spin_limit):
+    """Program p: signal peer p (the next epoch, release), then wait for peer p's signal of
+    the same epoch (acquire). addr_ptr int64 [2W]: addresses of this rank's pad in each
+    peer's buffer, then of each peer's pad in this rank's buffer; epoch_ptr int64 [W], this
+    rank's barriers so far with each peer; err_ptr int64 [1], set to 1 if a spin gave up."""
+    p = tl.program_id(0)
+    e = tl.load(epoch_ptr + p) + 1
+    tl.store(epoch_ptr + p, e)
+    to_peer = tl.load(addr_ptr + p).to(tl.pointer_type(tl.int64))
+    tl.atomic_max(to_peer, e, sem="release", scope="sys")
+    mine = tl.load(addr_ptr + world + p).to(tl.pointer_type(tl.int64))
+    seen = tl.atomic_max(mine, 0, sem="acquire", scope="sys")  # (a read: pads are >= 0)
+    n = 0
+    while (seen < e) & (n < spin_limit):
+        seen = tl.atomic_max(mine, 0, sem="acquire", scope="sys")
+        n += 1
+    if seen < e:
+        tl.atomic_max(err_ptr, 1)
 
 
-def _check_push(x: torch.Tensor, table: torch.Tensor, count: torch.Tensor, start: torch.Tensor):
-    if x.dim() != 2 or x.shape[1] % BLOCK != 0:
-        raise ValueError(f"x must be [M, K] with K a multiple of {BLOCK}, got {tuple(x.shape)}")
-    if x.dtype not in (torch.bfloat16, torch.float32):
-        raise TypeError(f"x must be bfloat16 or float32, got {x.dtype}")
-    w = table.numel()
-    for name, t in (("table", table), ("count", count), ("start", start)):
-        if t.shape != (w,) or t.dtype != torch.int64 or t.device != x.device:
-            raise ValueError(
-                f"{name} must be an int64 [W={w}] tensor on {x.device}, got "
-                f"{t.dtype} {tuple(t.shape)} on {t.device}"
+@triton.jit
+def _put_kernel(src_ptr, table_ptr, n, BLOCK: tl.constexpr):
+    """Program d: src int64 [W, n] row d stored at table[d] (an address)."""
+    d = tl.program_id(0)
+    i = tl.arange(0, BLOCK)
+    v = tl.load(src_ptr + d * n + i, mask=i < n)
+    dst = tl.load(table_ptr + d).to(tl.pointer_type(tl.int64))
+    tl.store(dst + i, v, mask=i < n)
+
+
+def _device(device) -> torch.device:
+    """``device`` (default: the current CUDA device, else the CPU) with its index."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _round_up(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def _symm_mem():
+    """torch.distributed._symmetric_memory where it has what PushBuffer uses, else None."""
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+    except ImportError:  # (a torch build without it)
+        return None
+    return symm_mem if all(hasattr(symm_mem, f) for f in ("empty", "rendezvous")) else None
+
+
+def push_unavailable(group: dist.ProcessGroup | None, device: torch.device) -> str | None:
+    """Why the push transport cannot serve ``group`` on ``device`` (None: it can): every rank
+    on one host, on a CUDA GPU, with peer access to every other rank's GPU where this
+    process can see it, and torch symmetric memory present. A collective (all_gather_object)
+    when the group has more than one rank; the same answer on every rank."""
+    local = None
+    if device.type != "cuda":
+        local = f"tensors on {device}, not on a CUDA GPU"
+    elif _symm_mem() is None:
+        local = "this torch has no torch.distributed._symmetric_memory"
+    me = (socket.gethostname(), device.index if device.type == "cuda" else -1, local)
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    peers = [me]
+    if world > 1:
+        peers = [None] * world
+        dist.all_gather_object(peers, me, group=group)
+    reasons = [f"rank {r}: {why}" for r, (_, _, why) in enumerate(peers) if why]
+    if len({host for host, _, _ in peers}) > 1:
+        reasons.append(f"the ranks are on {len({h for h, _, _ in peers})} hosts")
+    if device.type == "cuda" and not reasons:
+        seen = torch.cuda.device_count()
+        for r, (_, index, _) in enumerate(peers):
+            if index != device.index and index < seen:
+                if not torch.cuda.can_device_access_peer(device, index):
+                    reasons.append(f"no peer access from {device} to rank {r}'s cuda:{index}")
+    return "; ".join(reasons) or None
+
+
+def static_transport(
+    group: dist.ProcessGroup | None,
+    hidden: int,
+    num_experts: int,
+    *,
+    device: torch.device | str | None = None,
+    **sizes,
+) -> PushBuffer | str:
+    """The transport rule of the static dispatch: a :class:`PushBuffer` (built with
+    ``sizes``: tokens, top_k, capacity, exchange, dtype, spin_limit) when
+    :func:`push_unavailable` finds nothing against it (every rank on one host, CUDA, peer
+    access, torch symmetric memory), else "nccl". A collective; the same answer on every
+    rank."""
+    device = _device(device)
+    if push_unavailable(group, device) is None:
+        return PushBuffer(group, hidden, num_experts, device=device, **sizes)
+    return "nccl"
+
+
+class PushBuffer:
+    """The receive buffers of the static dispatch's push transport, one per rank, owned by
+    the caller (:meth:`free` releases them).
+
+    Args:
+        group: the process group (all ranks on one host with peer access; see
+            :func:`push_unavailable`); default the world. Creating it is a collective.
+        hidden: the hidden size H of the rows exchanged (at most that).
+        num_experts: total experts E (a multiple of the group size W).
+        capacity: rows per rank pair the buffers hold (dispatch_static's capacity may be
+            lower); None: the dropless value ``tokens * min(top_k, E / W)`` (needs
+            ``tokens``, the most tokens a rank dispatches, and ``top_k``).
+        exchange: "mxfp8" (wire rows of wire_row(H) bytes) or "bf16" (rows of H values of
+            ``dtype``).
+        spin_limit: iterations a barrier waits for a peer before it gives up (None: never;
+            tests bound it).
+    Memory per rank (``nbytes``): W * capacity rows of wire_row(H) = 33 H / 32 bytes
+    rounded up to 16 ("mxfp8"), plus W * (1 + max(32, E / W)) int64 counts and W pads; e.g.
+    W = 8, 4096 tokens, top-8, 256 experts, H = 7168, dropless: 8 * 32768 * 7392 bytes =
+    1.94 GB (the NCCL static path needs the same for its receive buffer, and a send buffer).
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        hidden: int,
+        num_experts: int,
+        *,
+        tokens: int | None = None,
+        top_k: int | None = None,
+        capacity: int | None = None,
+        exchange: str = "mxfp8",
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str | None = None,
+        spin_limit: int | None = None,
+    ):
+        device = _device(device)
+        world = dist.get_world_size(group)
+        why = push_unavailable(group, device)
+        if why is not None:
+            raise ValueError(f"PushBuffer: the push transport cannot serve this group ({why}); "
+                             "use transport='nccl'")  # fmt: skip
+        self._layout(world, hidden, num_experts, tokens, top_k, capacity, exchange, dtype)
+        symm_mem = _symm_mem()
+        mem = symm_mem.empty(self.nbytes, dtype=torch.uint8, device=device)
+        mem.zero_()
+        handle = symm_mem.rendezvous(mem, (group or dist.group.WORLD).group_name)
+        torch.cuda.synchronize(device)
+        dist.barrier(group)  # (every rank's buffer zeroed before any rank's first store)
+        self._setup(dist.get_rank(group), [mem], list(handle.buffer_ptrs), spin_limit)
+        self.group, self._handle = group, handle
+
+    @classmethod
+    def emulated(cls, world: int, hidden: int, num_experts: int, *, device=None,
+                 spin_limit: int | None = None, **sizes) -> list[PushBuffer]:  # fmt: skip
+        """W ranks' buffers in this process (plain tensors on ``device``): rank r's calls
+        must run concurrently with the others' (one stream per rank; a CUDA GPU), e.g. to
+        test the protocol on one GPU. ``sizes``: tokens, top_k, capacity, exchange, dtype."""
+        bufs = [cls.__new__(cls) for _ in range(world)]
+        for b in bufs:
+            b._layout(world, hidden, num_experts, sizes.get("tokens"), sizes.get("top_k"),
+                      sizes.get("capacity"), sizes.get("exchange", "mxfp8"),
+                      sizes.get("dtype", torch.bfloat16))  # fmt: skip
+        device = _device(device)
+        mems = [torch.zeros(bufs[0].nbytes, dtype=torch.uint8, device=device) for _ in bufs]
+        for r, b in enumerate(bufs):
+            b._setup(r, mems[r:] + mems[:r], [m.data_ptr() for m in mems], spin_limit)
+            b.group, b._handle = None, None
+        return bufs
+
+    def _layout(self, world, hidden, num_experts, tokens, top_k, capacity, exchange, dtype):
+        for name, v in (("hidden", hidden), ("num_experts", num_experts)):
+            if type(v) is not int or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if num_experts % world:
+            raise ValueError(f"num_experts ({num_experts}) must be a multiple of the group "
+                             f"size ({world})")  # fmt: skip
+        if exchange not in ("mxfp8", "bf16"):
+            raise ValueError(f"exchange must be 'mxfp8' or 'bf16', got {exchange!r}")
+        local = num_experts // world
+        if capacity is None:
+            if type(tokens) is not int or type(top_k) is not int or tokens < 0 or top_k < 0:
+                raise ValueError(
+                    "capacity=None (dropless) needs tokens (the most tokens a rank dispatches) "
+                    f"and top_k, ints >= 0; got tokens={tokens!r}, top_k={top_k!r}"
+                )
+            capacity = tokens * min(top_k, local)
+        if type(capacity) is not int or capacity < 0:
+            raise ValueError(f"capacity must be an int >= 0 or None, got {capacity!r}")
+        self.world, self.hidden, self.num_experts = world, hidden, num_experts
+        self.capacity, self.exchange = capacity, exchange
+        self.row_bytes = wire_row(hidden) if exchange == "mxfp8" else hidden * dtype.itemsize
+        self.count_columns = 1 + max(_config.DISPATCH_INLINE_COUNTS, local)
+        self._counts_at = _round_up(8 * world)
+        self._rows_at = self._counts_at + _round_up(8 * world * self.count_columns)
+        self.nbytes = self._rows_at + _round_up(world * capacity * self.row_bytes)
+
+    def _setup(self, rank, mems, bases, spin_limit):
+        """mems[0]: this rank's allocation (the others only kept alive); bases: every rank's
+        address."""
+        if spin_limit is not None and (type(spin_limit) is not int or spin_limit < 0):
+            raise ValueError(f"spin_limit must be an int >= 0 or None, got {spin_limit!r}")
+        self.rank, self._mems, self.device = rank, mems, mems[0].device
+        w, mine = self.world, bases[rank]
+        addr = [b + 8 * rank for b in bases] + [mine + 8 * p for p in range(w)]
+        self._bases = torch.tensor(bases, dtype=torch.int64, device=self.device)
+        self._barrier_addr = torch.tensor(addr, dtype=torch.int64, device=self.device)
+        self._epochs = torch.zeros(w, dtype=torch.int64, device=self.device)
+        self._error = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.spin_limit = _NEVER if spin_limit is None else spin_limit
+        self.key = next(_KEYS)
+        _BUFFERS[self.key] = self
+
+    # ---------------------------------------------------------------- used by the transport
+
+    def table(self, region: str, cap: int, row_bytes: int) -> torch.Tensor:
+        """int64 [W]: where this rank's part of ``region`` ("counts" or "rows", rows of
+        row_bytes, cap per source) starts in each rank's buffer."""
+        at = self._counts_at if region == "counts" else self._rows_at
+        return self._bases + (at + self.rank * cap * row_bytes)
+
+    def received(self, region: str, rows: int, row: int, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's ``region`` as [rows, row] of ``dtype`` (a view of the buffer)."""
+        at = self._counts_at if region == "counts" else self._rows_at
+        n = rows * row * dtype.itemsize
+        return self._mems[0][at : at + n].view(dtype).view(rows, row)
+
+    def barrier(self) -> None:
+        """The barrier of the module docstring, queued on the current stream."""
+        self._check_live()
+        _barrier_kernel[(self.world,)](self._barrier_addr, self._epochs, self._error,
+                                       self.world, self.spin_limit, num_warps=1)  # fmt: skip
+
+    def put_counts(self, msg: torch.Tensor) -> None:
+        """Store msg int64 [W, C] row d as this rank's counts row in rank d's buffer."""
+        c = msg.shape[1]
+        table = self.table("counts", 1, 8 * c)
+        _put_kernel[(self.world,)](msg.contiguous(), table, c, BLOCK=next_pow2(c), num_warps=1)
+
+    # ---------------------------------------------------------------- for the caller
+
+    def check(self) -> None:
+        """Raise if a barrier gave up waiting (a host read of the error flag)."""
+        if int(self._error.item()):
+            raise RuntimeError(
+                f"PushBuffer (rank {self.rank}): a barrier gave up after {self.spin_limit} "
+                "spins (a peer did not join: ranks ran different exchanges, or one stopped); "
+                "the buffers' contents since then are not valid: call reset() on every rank"
             )
 
+    def reset(self) -> None:
+        """Zero this rank's pads, barrier counts and error flag (after a spin gave up; every
+        rank, with no exchange in flight)."""
+        self._check_live()
+        torch.cuda.synchronize(self.device) if self.device.type == "cuda" else None
+        self._mems[0][: self._counts_at].zero_()
+        self._epochs.zero_()
+        self._error.zero_()
 
-def push_rows(
-    x: torch.Tensor,
-    table: torch.Tensor,
-    count: torch.Tensor,
-    start: torch.Tensor,
-    capacity: int,
-    scaling_mode: str = "rceil",
-) -> None:
-    """Quantize the rows of x and store them into the receive buffers.
+    def free(self) -> None:
+        """Release the buffer (this rank's part; the object is unusable afterwards)."""
+        _BUFFERS.pop(getattr(self, "key", None), None)
+        self._mems, self._handle = [], None
 
-    x: bf16/fp32 [M, K] (K % 32 == 0), rows grouped by destination, any strides; table:
-    int64 [W], the address of each destination's buffer (uint8 [capacity, wire_row(K)],
-    16-byte aligned: the kernel stores 16 bytes at a time); count: int64 [W], this rank's
-    row of the counts matrix; start: int64 [W], its row of receive_plan's start. All on
-    x's device; nothing is read on the host. Rows past sum(count) and rows that would land
-    at or past ``capacity`` are not written. Returns once the kernel is queued on the
-    current stream.
-    """
-    check_scaling_mode(scaling_mode)
-    _check_push(x, table, count, start)
-    m, k = x.shape
-    n_groups = block_count(m, k, "x")
-    if n_groups == 0 or table.numel() == 0:
-        return
-    check_e4m3_gpu(x.device)
-    soft = x.device.type == "cpu"
-    block_g = _config.INTERPRET_BLOCK_G if soft else _config.QUANTIZE_BLOCK_G
-    begin = count.cumsum(0) - count
-    _push_kernel[(cdiv(n_groups, block_g),)](
-        x, table, begin, count, start, n_groups, k // BLOCK, table.numel(),
-        x.stride(0), x.stride(1), wire_row(k), capacity, k,
-        RCEIL=scaling_mode == "rceil", BLOCK_G=block_g,
-        BW=max(2, next_pow2(table.numel())), SOFT=soft,
-        HW_E8M0=hw_e8m0(x.device),
-        num_warps=_config.QUANTIZE_NUM_WARPS,
-    )  # fmt: skip
+    def _check_live(self) -> None:
+        if not self._mems:
+            raise RuntimeError("this PushBuffer was freed")
+
+    def __repr__(self) -> str:
+        return (f"PushBuffer(rank={self.rank}, world={self.world}, hidden={self.hidden}, "
+                f"capacity={self.capacity}, exchange={self.exchange!r}, "
+                f"nbytes={self.nbytes})")  # fmt: skip
 
 
-def unpack_received(
-    buf: torch.Tensor, received: torch.Tensor, k: int, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """buf: uint8 [capacity, wire_row(k)], a receive buffer; received: int64 [] (rows sent
-    to it, receive_plan's entry). Returns (rows [capacity, k] in ``dtype``, zeros from the
-    received count on; n int64 [] = min(received, capacity)), without a host read."""
-    capacity = buf.shape[0]
-    if buf.dtype != torch.uint8 or buf.dim() != 2 or buf.shape[1] < wire_row(k):
-        raise ValueError(
-            f"buf must be uint8 [capacity, >= {wire_row(k)}], got {buf.dtype} {tuple(buf.shape)}"
-        )
-    out = torch.empty((capacity, k), dtype=dtype, device=buf.device)
-    if capacity:
-        dequantize_into(buf, out)
-    n = received.clamp(max=capacity)
-    unwritten = torch.arange(capacity, device=buf.device) >= n
-    return out.masked_fill_(unwritten[:, None], 0), n
-
-
-def push_reference(
-    xs: list[torch.Tensor], counts: torch.Tensor, capacity: int, scaling_mode: str = "rceil"
-) -> list[torch.Tensor]:
-    """What rank d's buffer holds after every rank s pushed xs[s] (rows grouped by
-    destination as counts[s] says): packed rows uint8 [min(received, capacity),
-    packed_row_bytes(K)], source-major, for each d (plain torch)."""
-    c = counts.to(torch.int64).cpu()
-    w = c.shape[0]
-    segments: list[list[torch.Tensor]] = [[] for _ in range(w)]
-    for s, x in enumerate(xs):
-        begin = 0
-        for d in range(w):
-            n = int(c[s, d])
-            segments[d].append(x[begin : begin + n])
-            begin += n
-    out = []
-    for d in range(w):
-        rows = torch.cat(segments[d])[:capacity] if segments[d] else xs[0][:0]
-        out.append(pack(*quantize_reference(rows, scaling_mode)))
-    return out
+def lookup(key: int) -> PushBuffer:
+    """The live PushBuffer of ``key`` (custom ops take the key, not the object)."""
+    buf = _BUFFERS.get(key)
+    if buf is None:
+        raise RuntimeError(f"PushBuffer {key} was freed or never existed")
+    return buf

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..exchange.push import PushBuffer, static_transport
 from ..exchange.transport import Transport
 from ..grouped.gemm import PRECISIONS
 from .dispatch import EXCHANGES, combine, dispatch, dispatch_reporting
@@ -52,7 +53,9 @@ class ExpertParallelMoE(torch.nn.Module):
 
     Forward: x [..., hidden] -> the same shape (leading dimensions flattened into tokens).
     ``exchange`` picks "mxfp8" or "bf16" for dispatch and combine, ``transport`` how the
-    MXFP8 exchanges move rows ("nccl" or a Transport object, see :func:`dispatch`).
+    MXFP8 exchanges move rows ("nccl" or a Transport object, see :func:`dispatch`; for the
+    static dispatch "nccl", a :class:`mxfp8_a2a.PushBuffer` or "auto": a PushBuffer of
+    ``capacity`` rows where :func:`mxfp8_a2a.static_transport`'s rule allows, else NCCL).
     ``precision`` picks the experts' grouped GEMMs: "bf16" (unscaled, in the activations'
     dtype), "fp8_rowwise" (e4m3 operands with rowwise fp32 scales on sm_90+ GPUs, the
     plain-torch reference on CPU; hidden and ffn multiples of 16) or "fp8_rowwise_gw_hp" (the
@@ -79,7 +82,7 @@ class ExpertParallelMoE(torch.nn.Module):
         group: dist.ProcessGroup | DeviceMesh | None = None,
         *,
         exchange: str = "mxfp8",
-        transport: str | Transport = "nccl",
+        transport: str | Transport | PushBuffer = "nccl",
         precision: str = "bf16",
         seed: int = 0,
         capacity_factor: float | None = None,
@@ -125,9 +128,18 @@ class ExpertParallelMoE(torch.nn.Module):
             capacity_for(1, 1, 1, capacity_factor)  # its check of the factor
         if capacity is not None and (type(capacity) is not int or capacity < 0):
             raise ValueError(f"capacity must be an int >= 0 (rows per rank pair), got {capacity!r}")
-        if self.static and not (isinstance(transport, str) and transport == "nccl"):
-            raise ValueError("the static dispatch (capacity_factor / capacity) runs over NCCL/gloo "
-                             "only: leave transport='nccl'")  # fmt: skip
+        if transport == "auto":  # (the rule; a collective when it builds a PushBuffer)
+            transport = "nccl"
+            if capacity is not None:
+                transport = static_transport(group, hidden, num_experts, capacity=capacity,
+                                             exchange=exchange, device=device,
+                                             dtype=dtype or torch.float32)  # fmt: skip
+        if self.static and not (transport == "nccl" or isinstance(transport, PushBuffer)):
+            raise ValueError("the static dispatch (capacity_factor / capacity) takes transport "
+                             "'nccl', 'auto' or a PushBuffer")  # fmt: skip
+        if not self.static and isinstance(transport, PushBuffer):
+            raise ValueError("a PushBuffer carries the static dispatch: pass capacity or "
+                             "capacity_factor")  # fmt: skip
         self.capacity_factor, self.capacity, self.align = capacity_factor, capacity, align
         self.register_buffer("dispatch_stats", torch.zeros(len(STAT_NAMES), dtype=torch.int64,
                              device=device), persistent=False)  # fmt: skip
@@ -186,9 +198,9 @@ class ExpertParallelMoE(torch.nn.Module):
         cap = self.capacity
         if cap is None:
             cap = capacity_for(x.shape[0], self.top_k, world, self.capacity_factor)
-        ex, offs, handle = dispatch_static(
-            x, ids, self.num_experts, cap, self.group, exchange=self.exchange, align=self.align
-        )
+        ex, offs, handle = dispatch_static(x, ids, self.num_experts, cap, self.group,
+                                           exchange=self.exchange, align=self.align,
+                                           transport=self.transport)  # fmt: skip
         with torch.no_grad():  # dropped and bad ids add up, the other two are maxima
             s, new = self.dispatch_stats, handle.stats
             added, peak = s[0::2] + new[0::2], torch.maximum(s[1::2], new[1::2])

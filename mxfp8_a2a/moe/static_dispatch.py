@@ -50,10 +50,13 @@ from .._common import check_scaling_mode
 from ..exchange.agreement import _all_gather as all_gather
 from ..exchange.checks import group_rank_and_size
 from ..exchange.plain import HAS_FUNCOL, funcol
+from ..exchange.push import PushBuffer
+from . import static_push as sp
 from . import static_rows as rows_ops
 from .dispatch import _local_error, check_owner, mark_output
 from .static_plan import receive_plan, send_plan
 from .static_plan import static_rows as static_rows  # (public here)
+from .static_push import check_fits
 
 STAT_NAMES = ("dropped", "needed_capacity", "invalid_ids", "num_experts_differs")
 
@@ -78,6 +81,7 @@ class StaticHandle:
     (the most rows it routed to one rank), ids outside [0, num_experts), and this rank's
     num_experts if some rank's differed, else 0 (STAT_NAMES).
     dispatch_id: which dispatch (dispatch.mark_output; combine_static checks expert_y).
+    push: the PushBuffer the rows travel through, None for NCCL/gloo.
     """
 
     rows_of: torch.Tensor
@@ -92,6 +96,7 @@ class StaticHandle:
     exchange: str
     scaling_mode: str
     dispatch_id: int = 0
+    push: PushBuffer | None = None
 
 
 def _all_to_all(t: torch.Tensor, group) -> torch.Tensor:
@@ -109,42 +114,61 @@ def _all_to_all(t: torch.Tensor, group) -> torch.Tensor:
 
 class _Dispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, rows_of, src_row, out_row, n_send, group, wire, mode):
+    def forward(ctx, x, rows_of, src_row, out_row, cap, world, group, push, wire, mode):
         ctx.save_for_backward(rows_of, out_row)
-        ctx.args = (x.shape[1], x.dtype, group, wire, mode)
-        buf = rows_ops.scatter_encode(x, rows_of, n_send, wire, mode)
+        ctx.args = (x.shape[1], x.dtype, cap, group, push, wire, mode)
+        if push is not None:
+            return sp.push_dispatch_op(x, rows_of, src_row, push.key, cap, wire, mode)
+        buf = rows_ops.scatter_encode(x, rows_of, world * cap, wire, mode)
         return rows_ops.gather_decode(_all_to_all(buf, group), src_row, x.shape[1], x.dtype, wire)
 
     @staticmethod
     def backward(ctx, grad):
         rows_of, out_row = ctx.saved_tensors
-        hidden, dtype, group, wire, mode = ctx.args
-        back = _all_to_all(rows_ops.gather_encode(grad.contiguous(), out_row, wire, mode), group)
-        grad_x = rows_ops.slot_sum_decode(back, rows_of, None, hidden, dtype, wire)
-        return grad_x, None, None, None, None, None, None, None
+        hidden, dtype, cap, group, push, wire, mode = ctx.args
+        if push is not None:
+            grad_x, _ = sp.push_combine_op(grad.contiguous(), out_row, rows_of, None, push.key, cap,
+                                           wire, mode, False)  # fmt: skip
+        else:
+            back = _all_to_all(
+                rows_ops.gather_encode(grad.contiguous(), out_row, wire, mode), group
+            )
+            grad_x = rows_ops.slot_sum_decode(back, rows_of, None, hidden, dtype, wire)
+        return grad_x, None, None, None, None, None, None, None, None, None
 
 
 class _Combine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y, weights, rows_of, src_row, out_row, group, wire, mode):
-        back = _all_to_all(rows_ops.gather_encode(y.contiguous(), out_row, wire, mode), group)
+    def forward(ctx, y, weights, rows_of, src_row, out_row, cap, group, push, wire, mode):
+        ctx.args = (y.shape[1], y.dtype, cap, group, push, wire, mode)
+        if push is not None:  # (keeps the slots' rows for the backward: the buffer is reused)
+            out, back = sp.push_combine_op(y.contiguous(), out_row, rows_of, weights, push.key, cap,
+                                           wire, mode, any(ctx.needs_input_grad[:2]))  # fmt: skip
+        else:
+            back = _all_to_all(rows_ops.gather_encode(y.contiguous(), out_row, wire, mode), group)
+            out = rows_ops.slot_sum_decode(back, rows_of, weights, y.shape[1], y.dtype, wire)
         ctx.save_for_backward(back, rows_of, src_row, weights)
-        ctx.args = (y.shape[1], y.dtype, group, wire, mode)
-        return rows_ops.slot_sum_decode(back, rows_of, weights, y.shape[1], y.dtype, wire)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
         back, rows_of, src_row, weights = ctx.saved_tensors
-        hidden, dtype, group, wire, mode = ctx.args
-        grad_buf, grad_w = rows_ops.slot_sum_decode_backward(
-            grad.contiguous(), back, rows_of, weights, back.shape[0], wire, mode
-        )
-        recv = _all_to_all(grad_buf, group)
-        grad_y = rows_ops.gather_decode(recv, src_row, hidden, dtype, wire)
-        return grad_y, grad_w.to(weights.dtype), None, None, None, None, None, None
+        hidden, dtype, cap, group, push, wire, mode = ctx.args
+        if push is not None:
+            grad_y, grad_w = sp.push_combine_backward_op(
+                grad.contiguous(), back, rows_of, weights, src_row, push.key, cap, wire, mode
+            )
+        else:
+            grad_buf, grad_w = rows_ops.slot_sum_decode_backward(
+                grad.contiguous(), back, rows_of, weights, back.shape[0], wire, mode
+            )
+            grad_y = rows_ops.gather_decode(
+                _all_to_all(grad_buf, group), src_row, hidden, dtype, wire
+            )
+        return grad_y, grad_w.to(weights.dtype), None, None, None, None, None, None, None, None
 
 
-def _exchange_counts(rows_of, sent, stats, num_experts, capacity, group):
+def _exchange_counts(rows_of, sent, stats, num_experts, capacity, group, push):
     """The counts all-to-all: [W, 1 + max(INLINE, L)] whatever L is, column 0 num_experts
     (itself, not dispatch's agreement word: its digest does not trace under torch.compile).
     Returns rows_of without the rows to ranks whose num_experts differs, the counts
@@ -153,7 +177,7 @@ def _exchange_counts(rows_of, sent, stats, num_experts, capacity, group):
     world, local = sent.shape
     msg = F.pad(sent, (1, max(_config.DISPATCH_INLINE_COUNTS - local, 0)))
     msg[:, 0] = num_experts
-    recv = _all_to_all(msg, group)
+    recv = _all_to_all(msg, group) if push is None else sp.push_counts_op(msg, push.key)
     agree = recv[:, 0] == num_experts  # [source rank]
     if capacity:  # rows to a rank that differs are not sent (nor read back by combine)
         kept = rows_of.ge(0)
@@ -197,6 +221,7 @@ def dispatch_static(
     exchange: str = "mxfp8",
     align: int = 16,
     scaling_mode: str = "rceil",
+    transport: str | PushBuffer = "nccl",
 ) -> tuple[torch.Tensor, torch.Tensor, StaticHandle]:
     """Send each token to the ranks of its top-k experts, with no host sync.
 
@@ -214,6 +239,10 @@ def dispatch_static(
             (rows in x's dtype).
         align: rows per expert block are rounded up to a multiple of it (16: what torch's
             FP8 grouped GEMMs want along the tokens).
+        transport: "nccl" (all_to_all_single over the group's backend: fixed splits, padding
+            rows included) or a :class:`PushBuffer` (one node: each rank's kernels store the
+            rows it sends straight into the receivers' buffers, padding never sent; group
+            may then be None, the buffer's). Same results bit for bit.
     Returns:
         expert_x: [static_rows(capacity, W, L, align), H] in x's dtype, expert-major (module
             docstring), padding rows zero; expert_offsets: int32 [L] end offsets of the
@@ -223,20 +252,41 @@ def dispatch_static(
     "mxfp8") and sums each token's k copies. Arguments the host sees are checked before
     any collective (a ValueError on this rank).
     """
-    _, world = group_rank_and_size(group)
+    group, push, world = _carrier(group, transport)
     _check(x, topk_ids, num_experts, world, capacity, align, exchange, scaling_mode, group)
+    if push is not None:
+        columns = 1 + max(_config.DISPATCH_INLINE_COUNTS, num_experts // world)
+        check_fits(push, capacity, x.shape[1], x.dtype, exchange, columns, x.device)
     rows_of, sent, stats = send_plan(topk_ids, num_experts, world, capacity)
     rows_of, recv, stats = _exchange_counts(rows_of, sent.to(x.device), stats, num_experts,
-                                            capacity, group)  # fmt: skip
+                                            capacity, group, push)  # fmt: skip
     src_row, out_row, offs = receive_plan(recv, capacity, align)
     out = _Dispatch.apply(
-        x, rows_of, src_row, out_row, world * capacity, group, exchange, scaling_mode
+        x, rows_of, src_row, out_row, capacity, world, group, push, exchange, scaling_mode
     )
     handle = StaticHandle(
         rows_of, src_row, out_row, offs, stats, capacity, x.shape[1], x.dtype, group,
-        exchange, scaling_mode, mark_output(out),
+        exchange, scaling_mode, mark_output(out), push,
     )  # fmt: skip
     return out, offs, handle
+
+
+def _same_group(a, b) -> bool:
+    """Whether ``a`` (None: the buffer's) and a PushBuffer's group ``b`` are one group."""
+    b = b if b is not None else (dist.group.WORLD if dist.is_initialized() else None)
+    a = a if a is not None else b
+    return a is b or (a is not None and b is not None and a.group_name == b.group_name)
+
+
+def _carrier(group, transport) -> tuple[dist.ProcessGroup | None, PushBuffer | None, int]:
+    """(group, push buffer or None, group size) for dispatch_static's arguments."""
+    if isinstance(transport, PushBuffer):
+        if not _same_group(group, transport.group):
+            raise ValueError("group must be the PushBuffer's own group (or None for it)")
+        return transport.group, transport, transport.world
+    if not isinstance(transport, str) or transport != "nccl":
+        raise ValueError(f"transport must be 'nccl' or a PushBuffer, got {transport!r}")
+    return group, None, group_rank_and_size(group)[1]
 
 
 def combine_static(
@@ -275,8 +325,8 @@ def combine_static(
             f"{_desc(topk_weights)}"
         )
     return _Combine.apply(
-        expert_y, topk_weights, handle.rows_of, handle.src_row, handle.out_row, handle.group,
-        handle.exchange, handle.scaling_mode,
+        expert_y, topk_weights, handle.rows_of, handle.src_row, handle.out_row, handle.capacity,
+        handle.group, handle.push, handle.exchange, handle.scaling_mode,
     )  # fmt: skip
 
 
