@@ -291,3 +291,17 @@ def test_two_processes_through_cuda_ipc():
             if p.is_alive():
                 p.kill()
     assert got == {0: None, 1: None}, got
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_barrier_gives_up_after_spin_limit_and_reset_clears(device):
+    bufs = PushBuffer.emulated(2, 64, 2, capacity=1, device=device, spin_limit=3)
+    bufs[0].barrier()  # rank 1 never comes: rank 0 gives up
+    with pytest.raises(RuntimeError, match="gave up after 3 spins"):
+        bufs[0].check()
+    bufs[1].barrier()  # rank 0's signal is there: no wait
+    bufs[1].check()
+    for b in bufs:
+        b.reset()
+        b.check()
+    assert not any(b._epochs.any() for b in bufs)
