@@ -107,6 +107,7 @@ class WindowTiling(NamedTuple):
     programs_per_sm: int  # programs launched per SM (persistent; extra ones find no tickets)
     grab: int = 1  # tickets taken per atomic
     stages: int = 0  # loads in flight per program (tl.range num_stages); 0: one at a time
+    hints: int = 0  # 1: L2 eviction hints (amax reads evict_last, cast reads / writes evict_first)
 
 
 # The colwise scaling in one launch (grouped/kernels_window.py), x read about once from HBM;

@@ -3,8 +3,8 @@
     python scripts/tune_per_group.py [--kind rowwise|colwise|window|both] [--json out.json]
         [--rowwise TILE,ITEM,MAX_CLASS,WARPS[,MAXNREG]]...
         [--colwise BO,AMAX_ROWS,CAST_ROWS,SUB,WARPS[,MIN_PROGRAMS[,AMAX_STAGES[,CAST_STAGES]]]]...
-        [--window BO,AMAX_ROWS,CAST_ROWS,SUB,WARPS,WINDOW_STRIPS,LOOKAHEAD,PER_SM[,GRAB[,STAGES]]
-         | --window none]...
+        [--window BO,AMAX_ROWS,CAST_ROWS,SUB,WARPS,WINDOW_STRIPS,LOOKAHEAD,PER_SM[,GRAB[,STAGES
+         [,HINTS]]] | --window none]... [--warm-only] [--best-out best.json]
 
 x (16640, 8192) bf16, 1/16/64 jagged groups (end offsets multiples of 16), validate=False;
 prints microseconds and effective GB/s (3 bytes per element) for each tiling tried:
@@ -45,11 +45,12 @@ COLWISE = [  # block_other, amax_rows, cast_rows, sub, warps, min_programs, stag
     (128, 512, 128, 64, 4, 2048, 3, 3),
 ]  # fmt: skip
 WINDOW = [  # block_other, amax_rows, cast_rows, sub, warps, window_strips, lookahead, per_sm,
-    # grab, stages; None: the two launches
-    None, (128, 256, 128, 32, 4, 2, 2, 8, 1, 3), (128, 256, 128, 32, 4, 2, 2, 4, 1, 3),
-    (128, 256, 128, 32, 4, 2, 1, 8, 1, 3), (128, 256, 128, 32, 4, 4, 1, 8, 1, 3),
-    (128, 256, 128, 32, 4, 1, 3, 8, 1, 3), (128, 256, 128, 32, 4, 2, 2, 8, 2, 3),
-    (128, 128, 128, 32, 4, 2, 2, 8, 1, 3), (64, 256, 256, 32, 4, 4, 2, 8, 1, 3),
+    # grab, stages, hints; None: the two launches. Tickets between a window's last amax item
+    # and its first cast item: lookahead * amax items + (lookahead - 1) * cast items a window,
+    # more than the programs in flight (SMs x those resident), else cast items wait
+    None, (128, 512, 256, 32, 4, 1, 6, 3, 1, 3, 1), (128, 512, 256, 32, 4, 1, 6, 3, 1, 3, 0),
+    (64, 512, 256, 64, 4, 1, 12, 4, 1, 3, 1), (128, 256, 128, 32, 4, 1, 4, 2, 1, 3, 1),
+    (64, 1024, 256, 64, 4, 1, 12, 3, 1, 3, 1), (128, 512, 256, 32, 4, 2, 3, 3, 1, 3, 1),
 ]  # fmt: skip
 
 
@@ -80,8 +81,10 @@ def main() -> None:
     )
     p.add_argument(
         "--window", action="append",
-        metavar="BO,AMAX_ROWS,CAST_ROWS,SUB,WARPS,WINDOW_STRIPS,LOOKAHEAD,PER_SM[,GRAB[,STAGES]]",
+        metavar="BO,AMAX_ROWS,CAST_ROWS,SUB,WARPS,WINDOW_STRIPS,LOOKAHEAD,PER_SM[,GRAB,STAGES,HINTS]",
     )  # fmt: skip
+    p.add_argument("--warm-only", action="store_true", help="one call per case: compiles only")
+    p.add_argument("--best-out", help="write the window tiling of least total time (JSON)")
     p.add_argument("--groups", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--rounds", type=int, default=1, help="times through the list, interleaved")
     p.add_argument(
@@ -124,15 +127,26 @@ def main() -> None:
             label = str(tuple(tiling)) if tiling is not None else "two launches"
             for name, total, fn in cases[kind]:
                 for (n_groups, draw), o in offs.items():
+                    if args.warm_only:
+                        fn(o[total])
+                        continue
                     ms = triton.testing.do_bench(
                         lambda o=o[total], fn=fn: fn(o), warmup=100, return_mode="median"
                     )
                     rows.append(
                         {"fn": name, "groups": n_groups, "draw": draw, "tiling": label,
-                         "us": ms * 1e3, "GB/s": 3 * M * K / ms / 1e6}
+                         "us": ms * 1e3, "GB/s": 3 * M * K / ms / 1e6, "value": tiling}
                     )  # fmt: skip
                     print(rows[-1], flush=True)
     _config.COLWISE_WINDOW_TILING = window
+    totals: dict[str, list] = {}
+    for r in rows:
+        totals.setdefault(r["tiling"], [0.0, r.pop("value")])[0] += r["us"]
+    if args.best_out and totals:
+        best = min(totals.values(), key=lambda t: t[0])[1]
+        with open(args.best_out, "w") as f:
+            json.dump(None if best is None else list(best), f)
+    torch.cuda.synchronize()
     print(tabulate(rows, headers="keys", floatfmt=".1f"))
     if args.rounds > 1:
         runs: dict[tuple, list[float]] = {}

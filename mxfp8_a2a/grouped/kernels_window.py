@@ -43,6 +43,7 @@ def _window_amax(
     n_strips, sxb, sxo, sxg,
     SOFT: tl.constexpr, INT64: tl.constexpr, BO: tl.constexpr, BLA: tl.constexpr,
     SUB: tl.constexpr, WS: tl.constexpr, ALIGN: tl.constexpr, STAGES: tl.constexpr,
+    HINTS: tl.constexpr,
 ):  # fmt: skip
     """Amax item ``item`` of window w (chunk item // WS, strip item % WS of the window), then
     the window's count of finished amax items up by one (release: after its atomic maxes)."""
@@ -54,7 +55,7 @@ def _window_amax(
         _amax_tile(
             _batch(x_ptr, b, sxb, INT64), _batch_table(ws_ptr, b, n_groups, n_other, INT64),
             o, o < n_other, lo, tl.minimum(lo + BLA, extent), gi, valid, starts, ends, n_other,
-            sxo, sxg, SOFT, INT64, BO, SUB, ALIGN, STAGES,
+            sxo, sxg, SOFT, INT64, BO, SUB, ALIGN, STAGES, HINTS,
         )  # fmt: skip
     tl.debug_barrier()  # every thread's atomic maxes issued before the count goes up
     tl.atomic_add(sync_ptr + 1 + w, 1, sem="release")
@@ -66,7 +67,7 @@ def _window_cast(
     starts, ends, p, r, n_other, n_groups, dest_extent, n_strips, sxb, sxo, sxg, sdb, sdo, sdg,
     ROUND_POW2: tl.constexpr, SOFT: tl.constexpr, INT64: tl.constexpr, BO: tl.constexpr,
     BLX: tl.constexpr, SUB: tl.constexpr, WS: tl.constexpr, ALIGN: tl.constexpr,
-    STAGES: tl.constexpr, INVERSE: tl.constexpr,
+    STAGES: tl.constexpr, INVERSE: tl.constexpr, HINTS: tl.constexpr,
 ):  # fmt: skip
     """Cast item ``item`` of window w, once its n_amax amax items are done."""
     b = w // wpb
@@ -83,6 +84,7 @@ def _window_cast(
             _batch_table(scale_ptr, b, n_groups, n_other, INT64), o, o < n_other,
             item // WS, x_chunks, gi, valid, starts, ends, p, r, n_other, dest_extent,
             sxo, sxg, sdo, sdg, ROUND_POW2, SOFT, INT64, BLX, SUB, ALIGN, STAGES, INVERSE,
+            HINTS,
         )  # fmt: skip
 
 
@@ -94,14 +96,15 @@ def _window_kernel(
     ROUND_POW2: tl.constexpr, SOFT: tl.constexpr, INT64: tl.constexpr, PAD: tl.constexpr,
     BO: tl.constexpr, BLA: tl.constexpr, BLX: tl.constexpr, SUB: tl.constexpr,
     BG: tl.constexpr, WS: tl.constexpr, ALIGN_X: tl.constexpr, ALIGN_D: tl.constexpr,
-    STAGES: tl.constexpr, INVERSE: tl.constexpr,
+    STAGES: tl.constexpr, INVERSE: tl.constexpr, HINTS: tl.constexpr,
 ):  # fmt: skip
     """ws: int32 [batch, n_groups, n_other], zeroed (the amax bits); sync: int32 [1 +
     n_windows], zeroed (the ticket counter, then each window's finished amax items); data,
     scale, pad as in kernels_colwise._cast_kernel. wpb: windows per batch entry
     (cdiv(n_strips, WS)), n_windows = batch * wpb; a_chunks = cdiv(extent, BLA), x_chunks =
     cdiv(dest_extent, BLX). Any 1-D grid: the programs take tickets until none are left.
-    ALIGN_X / ALIGN_D: 16 where the group axis is contiguous in x / in the data."""
+    ALIGN_X / ALIGN_D: 16 where the group axis is contiguous in x / in the data. HINTS: L2
+    eviction hints (amax reads kept, cast reads and data writes first out)."""
     gi, valid, starts, ends = group_bounds(offs_ptr, n_groups, extent, BG)
     p, r = _destinations(gi, valid, starts, ends, n_groups, dest_extent, PAD)
     if PAD:
@@ -119,13 +122,13 @@ def _window_kernel(
                     _window_amax(
                         x_ptr, ws_ptr, sync_ptr, k, item, wpb, gi, valid, starts, ends,
                         n_other, extent, n_groups, n_strips, sxb, sxo, sxg,
-                        SOFT, INT64, BO, BLA, SUB, WS, ALIGN_X, STAGES,
+                        SOFT, INT64, BO, BLA, SUB, WS, ALIGN_X, STAGES, HINTS,
                     )  # fmt: skip
             elif k >= lookahead:
                 _window_cast(
                     x_ptr, data_ptr, ws_ptr, scale_ptr, sync_ptr, k - lookahead, item - n_amax,
                     wpb, n_amax, x_chunks, gi, valid, starts, ends, p, r, n_other, n_groups,
                     dest_extent, n_strips, sxb, sxo, sxg, sdb, sdo, sdg,
-                    ROUND_POW2, SOFT, INT64, BO, BLX, SUB, WS, ALIGN_D, STAGES, INVERSE,
+                    ROUND_POW2, SOFT, INT64, BO, BLX, SUB, WS, ALIGN_D, STAGES, INVERSE, HINTS,
                 )  # fmt: skip
         u = tl.atomic_add(sync_ptr, grab, sem="relaxed")

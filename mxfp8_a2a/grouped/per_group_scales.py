@@ -193,7 +193,7 @@ def _window(x, offs, pow2, data, pad, scales, wt: _config.WindowTiling, inverse)
              BLA=wt.amax_rows, BLX=wt.cast_rows, SUB=wt.sub, BG=max(2, next_pow2(g)),
              WS=wt.window_strips, ALIGN_X=16 if x.stride(1) == 1 else 1,
              ALIGN_D=16 if data.stride(1) == 1 else 1, STAGES=wt.stages or None,
-             INVERSE=inverse),
+             INVERSE=inverse, HINTS=bool(wt.hints)),
         wt.num_warps,
     )  # fmt: skip
 
