@@ -50,7 +50,7 @@ WINDOW = [  # block_other, amax_rows, cast_rows, sub, warps, window_strips, look
     # more than the programs in flight (SMs x those resident), else cast items wait
     None, (128, 512, 256, 32, 4, 1, 6, 3, 1, 3, 1), (128, 512, 256, 32, 4, 1, 6, 3, 1, 3, 0),
     (64, 512, 256, 64, 4, 1, 12, 4, 1, 3, 1), (128, 256, 128, 32, 4, 1, 4, 2, 1, 3, 1),
-    (64, 1024, 256, 64, 4, 1, 12, 3, 1, 3, 1), (128, 512, 256, 32, 4, 2, 3, 3, 1, 3, 1),
+    (64, 1024, 256, 64, 4, 1, 12, 3, 1, 3, 1), (128, 512, 256, 64, 8, 1, 6, 2, 1, 3, 1),
 ]  # fmt: skip
 
 

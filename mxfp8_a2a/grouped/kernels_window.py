@@ -36,6 +36,9 @@ from .kernels_colwise import (
     group_bounds,
 )
 
+SYNC_LINE = 32  # int32 counters a 128-byte line apart
+LINE = tl.constexpr(SYNC_LINE)
+
 
 @triton.jit
 def _window_amax(
@@ -58,7 +61,7 @@ def _window_amax(
             sxo, sxg, SOFT, INT64, BO, SUB, ALIGN, STAGES, HINTS,
         )  # fmt: skip
     tl.debug_barrier()  # every thread's atomic maxes issued before the count goes up
-    tl.atomic_add(sync_ptr + 1 + w, 1, sem="release")
+    tl.atomic_add(sync_ptr + LINE * (1 + w), 1, sem="release")
 
 
 @triton.jit
@@ -73,9 +76,9 @@ def _window_cast(
     b = w // wpb
     s = w % wpb * WS + item % WS
     if s < n_strips:
-        done = tl.atomic_add(sync_ptr + 1 + w, 0, sem="acquire")
+        done = tl.atomic_add(sync_ptr + LINE * (1 + w), 0, sem="acquire")
         while done < n_amax:
-            done = tl.atomic_add(sync_ptr + 1 + w, 0, sem="acquire")
+            done = tl.atomic_add(sync_ptr + LINE * (1 + w), 0, sem="acquire")
         tl.debug_barrier()  # (the workspace reads below come after the acquire)
         o = s * BO + tl.arange(0, BO)
         _cast_tile(
@@ -98,8 +101,10 @@ def _window_kernel(
     BG: tl.constexpr, WS: tl.constexpr, ALIGN_X: tl.constexpr, ALIGN_D: tl.constexpr,
     STAGES: tl.constexpr, INVERSE: tl.constexpr, HINTS: tl.constexpr,
 ):  # fmt: skip
-    """ws: int32 [batch, n_groups, n_other], zeroed (the amax bits); sync: int32 [1 +
-    n_windows], zeroed (the ticket counter, then each window's finished amax items); data,
+    """ws: int32 [batch, n_groups, n_other], zeroed (the amax bits); sync: int32 [LINE * (1 +
+    n_windows)], zeroed: the ticket counter at 0, window w's count of finished amax items at
+    LINE * (1 + w) (each counter in a 128-byte line of its own, as L2 serializes the atomics
+    of a line); data,
     scale, pad as in kernels_colwise._cast_kernel. wpb: windows per batch entry
     (cdiv(n_strips, WS)), n_windows = batch * wpb; a_chunks = cdiv(extent, BLA), x_chunks =
     cdiv(dest_extent, BLX). Any 1-D grid: the programs take tickets until none are left.

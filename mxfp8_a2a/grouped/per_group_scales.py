@@ -27,7 +27,7 @@ from .._common import (
 from ..formats.launch import launch
 from .kernels import _row_block_kernel
 from .kernels_colwise import _amax_kernel, _cast_kernel
-from .kernels_window import _window_kernel
+from .kernels_window import SYNC_LINE, _window_kernel
 from .reference import (
     DATA_LAYOUTS,
     empty_data,
@@ -177,9 +177,11 @@ def _window(x, offs, pow2, data, pad, scales, wt: _config.WindowTiling, inverse)
     dest_extent, g = data.shape[1], offs.numel()
     n_strips = max(1, cdiv(n_other, wt.block_other))
     wpb = cdiv(n_strips, wt.window_strips)
-    # one zeroed buffer: the amax bits [batch, g, n_other], the ticket, the windows' counts
-    ws = torch.zeros(batch * g * n_other + 1 + batch * wpb, dtype=torch.int32, device=x.device)
-    sync = ws[batch * g * n_other :]
+    # one zeroed buffer: the amax bits [batch, g, n_other], then (from a 128-byte boundary)
+    # the ticket and the windows' counts, a line each
+    table = cdiv(batch * g * n_other, SYNC_LINE) * SYNC_LINE
+    ws = torch.zeros(table + SYNC_LINE * (1 + batch * wpb), dtype=torch.int32, device=x.device)
+    sync = ws[table:]
     int64 = max(_extent(x), _extent(data), ws.numel()) >= INT64_FROM
     a_chunks, x_chunks = cdiv(extent, wt.amax_rows), cdiv(dest_extent, wt.cast_rows)
     slots = (batch * wpb + wt.lookahead) * (a_chunks + x_chunks) * wt.window_strips
