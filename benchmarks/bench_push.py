@@ -51,6 +51,7 @@ def _graph_of_ranks(bufs, xs, ids, experts, cap):
             s.wait_stream(cur)
             with torch.cuda.stream(s):
                 mx.dispatch_static(xs[r], ids[r], experts, cap, transport=b)
+        for s in streams:  # (joined after all are queued: the ranks must run at once)
             cur.wait_stream(s)
 
     for b in bufs:  # (every kernel loaded before any barrier waits)

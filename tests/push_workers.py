@@ -21,20 +21,35 @@ def push_equals_nccl(rank, world, backend, seed, exchange):
     else:
         buf = push.PushBuffer.emulated(1, HIDDEN, experts, capacity=cap, exchange=exchange,
                                        device=dev)[0]  # fmt: skip
-    results = []
-    for transport in ("nccl", buf):
-        x, ids, w, grad = inputs(rank, seed, 11, top_k, experts, "normal", dev)
-        x.requires_grad_(True)
-        w.requires_grad_(True)
-        out, offs, h = mx.dispatch_static(x, ids, experts, cap - 3, exchange=exchange,
-                                          transport=transport)  # fmt: skip
-        res = mx.combine_static(out * 1.5, w, h)
-        (res.float() * grad.float()).sum().backward()
-        results.append((out, offs, h.stats, res, x.grad, w.grad))
-    for a, b in zip(*results, strict=True):
-        assert torch.equal(a, b)
+    for capacity in (cap - 3, 0):
+        results = []
+        for transport in ("nccl", buf):
+            x, ids, w, grad = inputs(rank, seed, 11, top_k, experts, "normal", dev)
+            x.requires_grad_(True)
+            w.requires_grad_(True)
+            out, offs, h = mx.dispatch_static(x, ids, experts, capacity, exchange=exchange,
+                                              transport=transport)  # fmt: skip
+            res = mx.combine_static(out * 1.5, w, h)
+            (res.float() * grad.float()).sum().backward()
+            results.append((out, offs, h.stats, res, x.grad, w.grad))
+        for a, b in zip(*results, strict=True):
+            assert torch.equal(a, b)
     buf.check()
     buf.free()
+    # the layer: transport "auto" (a PushBuffer where the rule allows) against "nccl"
+    grads = []
+    for transport in ("nccl", "auto"):
+        layer = mx.ExpertParallelMoE(HIDDEN, 32, experts, top_k, exchange=exchange, capacity=12,
+                                     transport=transport, device=dev)  # fmt: skip
+        pushes = isinstance(layer.transport, push.PushBuffer)
+        assert pushes == (transport == "auto" and dev.type == "cuda")  # (the rule)
+        assert not pushes or layer.transport.capacity == 12
+        x = inputs(rank, seed, 11, top_k, experts, "normal", dev)[0].float().requires_grad_(True)
+        y = layer(x)
+        y.square().sum().backward()
+        grads.append((y, x.grad, layer.router.grad, layer.w1.grad))
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)
 
 
 def push_rule(rank, world, backend):

@@ -92,8 +92,11 @@ def push_combine(y: Tensor, out_row: Tensor, rows_of: Tensor, weights: Tensor | 
         sk.gather_encode_into(y, out_row, table, stride, cap, wire, scaling_mode, True)
     buf.barrier()
     out = sk.slot_sum_decode(own, rows_of, weights, y.shape[1], y.dtype, wire)
-    slots = rows_of.reshape(-1).clamp(min=0) if keep else rows_of.new_empty(0)
-    return out, own.index_select(0, slots)
+    if not keep:
+        return out, own[:0]  # (an empty view: nothing of the buffer is returned)
+    if own.shape[0] == 0:  # (capacity 0: no slot holds a row)
+        return out, own.new_zeros((rows_of.numel(), own.shape[1]))
+    return out, own.index_select(0, rows_of.reshape(-1).clamp(min=0))
 
 
 def push_combine_backward(grad: Tensor, kept: Tensor, rows_of: Tensor, weights: Tensor,
