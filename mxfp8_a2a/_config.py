@@ -85,7 +85,9 @@ class ColwiseTiling(NamedTuple):
 ROWWISE_TILING = RowBlockTiling(
     tile=4096, item=8192, min_group=32, max_class=512, num_warps=4, maxnreg=64
 )  # fmt: skip
-# 181-230 us (1.8-2.3 TB/s), the best of those tried; min_programs: small launches fill SMs:
+# 181-230 us (1.8-2.3 TB/s), the best of those tried; min_programs: small launches fill SMs.
+# One launch with the cast re-reading x from L2 (tickets over column windows; in this file's
+# history) ran 194-245 us: ncu read 503 MB of HBM at 1 group, L2 kept ~15% of the re-read:
 COLWISE_TILING = ColwiseTiling(
     block_other=128, amax_rows=512, cast_rows=128, sub=32, num_warps=4, min_programs=2048,
     amax_stages=3, cast_stages=3,
@@ -96,43 +98,12 @@ INTERPRET_ROWWISE_TILING = RowBlockTiling(1024, 1024, 16, 128, 4)
 INTERPRET_COLWISE_TILING = ColwiseTiling(16, 32, 16, 8, 4)
 
 
-class WindowTiling(NamedTuple):
-    block_other: int  # other-axis indices per strip (BO)
-    amax_rows: int  # group-axis indices per amax item (BLA)
-    cast_rows: int  # destination indices per cast item (BLX)
-    sub: int  # group-axis indices per load
-    num_warps: int
-    window_strips: int  # strips per window (WS): a window's bytes should sit well inside L2
-    lookahead: int  # windows whose amax items come between a window's amax and its cast
-    programs_per_sm: int  # programs launched per SM (persistent; extra ones find no tickets)
-    grab: int = 1  # tickets taken per atomic
-    stages: int = 0  # loads in flight per program (tl.range num_stages); 0: one at a time
-    hints: int = 0  # 1: L2 eviction hints (amax reads evict_last, cast reads / writes evict_first)
-
-
-# The colwise scaling in one launch (grouped/kernels_window.py), x read about once from HBM;
-# None: the amax launch and the cast launch of COLWISE_TILING. Not yet measured:
-COLWISE_WINDOW_TILING: WindowTiling | None = WindowTiling(
-    block_other=128, amax_rows=256, cast_rows=128, sub=32, num_warps=4, window_strips=2,
-    lookahead=2, programs_per_sm=8, grab=1, stages=3,
-)  # fmt: skip
-# The interpreter: windows of two 16-column strips, so that tests run several windows.
-INTERPRET_WINDOW_TILING = WindowTiling(16, 32, 16, 8, 4, 2, 1, 2)
-
-
 def per_group_tiling(group_dim: int, interpreted: bool) -> RowBlockTiling | ColwiseTiling:
     """Tiling of the kernel for groups along dim ``group_dim`` (1: the row-block kernel,
     0: the colwise kernels)."""
     if interpreted:
         return INTERPRET_ROWWISE_TILING if group_dim == 1 else INTERPRET_COLWISE_TILING
     return ROWWISE_TILING if group_dim == 1 else COLWISE_TILING
-
-
-def per_group_window_tiling(interpreted: bool) -> WindowTiling | None:
-    """Tiling of the one-launch colwise kernel; None: the two launches run instead."""
-    if COLWISE_WINDOW_TILING is None:
-        return None
-    return INTERPRET_WINDOW_TILING if interpreted else COLWISE_WINDOW_TILING
 
 
 # Both FP8 copies of expert weights in two reads (grouped/weight_scales.py): ROWS rows of

@@ -1,18 +1,14 @@
 """Sweep the per-group scaling kernels' tilings on the current GPU.
 
-    python scripts/tune_per_group.py [--kind rowwise|colwise|window|both] [--json out.json]
+    python scripts/tune_per_group.py [--kind rowwise|colwise|both] [--json out.json]
         [--rowwise TILE,ITEM,MAX_CLASS,WARPS[,MAXNREG]]...
         [--colwise BO,AMAX_ROWS,CAST_ROWS,SUB,WARPS[,MIN_PROGRAMS[,AMAX_STAGES[,CAST_STAGES]]]]...
-        [--window BO,AMAX_ROWS,CAST_ROWS,SUB,WARPS,WINDOW_STRIPS,LOOKAHEAD,PER_SM[,GRAB[,STAGES
-         [,HINTS]]] | --window none]... [--warm-only] [--best-out best.json]
 
 x (16640, 8192) bf16, 1/16/64 jagged groups (end offsets multiples of 16), validate=False;
 prints microseconds and effective GB/s (3 bytes per element) for each tiling tried:
 rowwise: per_group_rowwise_scales(x, offs) (the row-block kernel, ``_config.RowBlockTiling``);
 colwise: the colwise kernels (``_config.ColwiseTiling``) in the grad_w layout,
-per_group_colwise_scales(x, offs, data_layout="column_major"), and with row-major data;
-window: the same two cases through the one-launch colwise kernel (``_config.WindowTiling``;
-"none": the two launches of COLWISE_TILING, for comparison). "both" runs rowwise and colwise.
+per_group_colwise_scales(x, offs, data_layout="column_major"), and with row-major data.
 The best go into mxfp8_a2a/_config.py.
 """
 
@@ -44,14 +40,6 @@ COLWISE = [  # block_other, amax_rows, cast_rows, sub, warps, min_programs, stag
     (128, 512, 128, 32, 4, 2048, 3, 2), (128, 512, 128, 32, 4, 2048, 2, 2),
     (128, 512, 128, 64, 4, 2048, 3, 3),
 ]  # fmt: skip
-WINDOW = [  # block_other, amax_rows, cast_rows, sub, warps, window_strips, lookahead, per_sm,
-    # grab, stages, hints; None: the two launches. Tickets between a window's last amax item
-    # and its first cast item: lookahead * amax items + (lookahead - 1) * cast items a window,
-    # more than the programs in flight (SMs x those resident), else cast items wait
-    None, (128, 512, 256, 32, 4, 1, 6, 3, 1, 3, 1), (128, 512, 256, 32, 4, 1, 6, 3, 1, 3, 0),
-    (64, 512, 256, 64, 4, 1, 12, 4, 1, 3, 1), (128, 256, 128, 32, 4, 1, 4, 2, 1, 3, 1),
-    (64, 1024, 256, 64, 4, 1, 12, 3, 1, 3, 1), (128, 512, 256, 64, 8, 1, 6, 2, 1, 3, 1),
-]  # fmt: skip
 
 
 def rowwise_tiling(v) -> _config.RowBlockTiling:
@@ -63,28 +51,18 @@ def colwise_tiling(v) -> _config.ColwiseTiling:
     return _config.ColwiseTiling(*v)
 
 
-def window_tiling(v) -> _config.WindowTiling | None:
-    return None if v is None else _config.WindowTiling(*v)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--json")
-    p.add_argument("--kind", choices=["rowwise", "colwise", "window", "both"], default="both")
+    p.add_argument("--kind", choices=["rowwise", "colwise", "both"], default="both")
     p.add_argument("--rowwise", action="append", metavar="TILE,ITEM,MAX_CLASS,WARPS[,MAXNREG]")
     p.add_argument(
         "--colwise",
         action="append",
         metavar="BO,AMAX_ROWS,CAST_ROWS,SUB,WARPS[,MIN_PROGRAMS[,AMAX_STAGES[,CAST_STAGES]]]",
     )
-    p.add_argument(
-        "--window", action="append",
-        metavar="BO,AMAX_ROWS,CAST_ROWS,SUB,WARPS,WINDOW_STRIPS,LOOKAHEAD,PER_SM[,GRAB,STAGES,HINTS]",
-    )  # fmt: skip
-    p.add_argument("--warm-only", action="store_true", help="one call per case: compiles only")
-    p.add_argument("--best-out", help="write the window tiling of least total time (JSON)")
     p.add_argument("--groups", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--rounds", type=int, default=1, help="times through the list, interleaved")
     p.add_argument(
@@ -92,13 +70,10 @@ def main() -> None:
         help="offsets drawn per group count (draw 0: the benchmark's, seed 0; draw d: seed d)",
     )  # fmt: skip
     args = p.parse_args()
-    parse = lambda texts: [  # noqa: E731
-        None if t == "none" else tuple(int(v) for v in t.split(",")) for t in texts
-    ]
+    parse = lambda texts: [tuple(int(v) for v in t.split(",")) for t in texts]  # noqa: E731
     chosen = {
         "rowwise": [rowwise_tiling(v) for v in (parse(args.rowwise) if args.rowwise else ROWWISE)],
         "colwise": [colwise_tiling(v) for v in (parse(args.colwise) if args.colwise else COLWISE)],
-        "window": [window_tiling(v) for v in (parse(args.window) if args.window else WINDOW)],
     }
     x = torch.randn(M, K, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0)).cuda()
     offs = {}
@@ -114,39 +89,22 @@ def main() -> None:
             ("colwise row-major", M, lambda o: per_group_colwise_scales(x, o, validate=False)),
         ],
     }  # fmt: skip
-    cases["window"] = cases["colwise"]
-    window = _config.COLWISE_WINDOW_TILING
-    _config.COLWISE_WINDOW_TILING = None  # the colwise kind times the two launches
     rows = []
-    kinds = (("rowwise", "ROWWISE_TILING"), ("colwise", "COLWISE_TILING"))
-    for kind, attr in (*kinds, ("window", "COLWISE_WINDOW_TILING")):
-        if args.kind not in (kind, "both") or (kind == "window") != (args.kind == "window"):
+    for kind, attr in (("rowwise", "ROWWISE_TILING"), ("colwise", "COLWISE_TILING")):
+        if args.kind not in (kind, "both"):
             continue
         for tiling in chosen[kind] * args.rounds:
             setattr(_config, attr, tiling)
-            label = str(tuple(tiling)) if tiling is not None else "two launches"
             for name, total, fn in cases[kind]:
                 for (n_groups, draw), o in offs.items():
-                    if args.warm_only:
-                        fn(o[total])
-                        continue
                     ms = triton.testing.do_bench(
                         lambda o=o[total], fn=fn: fn(o), warmup=100, return_mode="median"
                     )
                     rows.append(
-                        {"fn": name, "groups": n_groups, "draw": draw, "tiling": label,
-                         "us": ms * 1e3, "GB/s": 3 * M * K / ms / 1e6, "value": tiling}
+                        {"fn": name, "groups": n_groups, "draw": draw, "tiling": str(tuple(tiling)),
+                         "us": ms * 1e3, "GB/s": 3 * M * K / ms / 1e6}
                     )  # fmt: skip
                     print(rows[-1], flush=True)
-    _config.COLWISE_WINDOW_TILING = window
-    totals: dict[str, list] = {}
-    for r in rows:
-        totals.setdefault(r["tiling"], [0.0, r.pop("value")])[0] += r["us"]
-    if args.best_out and totals:
-        best = min(totals.values(), key=lambda t: t[0])[1]
-        with open(args.best_out, "w") as f:
-            json.dump(None if best is None else list(best), f)
-    torch.cuda.synchronize()
     print(tabulate(rows, headers="keys", floatfmt=".1f"))
     if args.rounds > 1:
         runs: dict[tuple, list[float]] = {}

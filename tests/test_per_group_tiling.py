@@ -196,38 +196,3 @@ def test_colwise_kernels_at_scale(n_groups):
             assert_same(per_group_colwise_scales(x, offs, data_layout=layout, validate=False), want)
         want = per_group_rowwise_reference(x.t(), offs, False, layout)
         assert_same(per_group_rowwise_scales(x.t(), offs, data_layout=layout, validate=False), want)
-
-
-@pytest.mark.parametrize("device", KERNEL_DEVICES)
-@pytest.mark.parametrize(
-    "tiling",
-    [(16, 32, 16, 8, 4, 1, 3, 3, 2, 0, 1), (32, 16, 32, 8, 4, 2, 2, 2, 3, 2, 0), None],
-    ids=["grab2-lookahead3-hints", "wide-grab3-stages", "two-launches"],
-)
-def test_window_tilings(device, tiling, monkeypatch):
-    """The one-launch colwise kernel under other window tilings (tickets taken several at a
-    time, longer lookahead, pipelined loads, L2 hints), and the two launches (None): the
-    reference's bits for both data layouts, the padded grad_w operand and the forward's
-    weights."""
-    from mxfp8_a2a import _config
-
-    if device == "cuda" and tiling is not None:  # the GPU tiling's size, these choices
-        tiling = (128, 128, 64, 32, 4, *tiling[5:])
-    window = None if tiling is None else _config.WindowTiling(*tiling)
-    monkeypatch.setattr(_config, "COLWISE_WINDOW_TILING", window)
-    monkeypatch.setattr(_config, "INTERPRET_WINDOW_TILING", window)
-    g = fresh_generator()
-    x = make_input((203, 72), torch.bfloat16, device, g)
-    offs = make_offsets(203, 7, g, "with_empty").to(device)
-    for layout in LAYOUTS:
-        got = per_group_colwise_scales(x, offs, data_layout=layout, validate=False)
-        assert_same(got, per_group_colwise_reference(x, offs, False, layout))
-    data, scales, pad = per_group_scales.padded_token_scales(x, offs)
-    want = padded_token_reference(x, offs)
-    assert torch.equal(bits(data), bits(want[0])) and torch.equal(pad, want[2])
-    torch.testing.assert_close(scales, want[1], rtol=0, atol=0, equal_nan=True)
-    w = x[:200].reshape(5, 40, 72)
-    data, scales = per_group_scales.expert_column_scales(w)
-    want = expert_column_reference(w)
-    assert data.stride() == want[0].stride() and torch.equal(bits(data), bits(want[0]))
-    torch.testing.assert_close(scales, want[1], rtol=0, atol=0, equal_nan=True)

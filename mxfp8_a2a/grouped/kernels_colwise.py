@@ -97,24 +97,17 @@ def _batch_table(ptr, b, n_groups, n_other, INT64: tl.constexpr):
 def _amax_span(
     x_ptr, o, omask, i0, i1, sxo, sxg,
     SOFT: tl.constexpr, INT64: tl.constexpr, BO: tl.constexpr, SUB: tl.constexpr,
-    STAGES: tl.constexpr, HINTS: tl.constexpr = False,
+    STAGES: tl.constexpr,
 ):  # fmt: skip
     """amax bits [BO] of group-axis indices [i0, i1), SUB at a time: an elementwise max over
     the [BO, SUB] tiles, reduced across SUB once at the end (a reduction per tile crossed
     warps through shared memory every iteration and bounded the kernel, ncu: L1 94% busy,
-    DRAM 33%). STAGES: loads in flight (software pipelining; None: one at a time). HINTS:
-    the loads ask L2 to keep their lines (evict_last): a cast reads them again soon."""
+    DRAM 33%). STAGES: loads in flight (software pipelining; None: one at a time)."""
     amax = tl.zeros((BO, SUB), dtype=tl.int32)
     for r in tl.range(i0 // SUB * SUB, i1, SUB, num_stages=STAGES):
         i = r + tl.arange(0, SUB)
         mask = omask[:, None] & ((i >= i0) & (i < i1))[None, :]
-        if HINTS:
-            x = tl.load(
-                x_ptr + _offsets(o, i, sxo, sxg, INT64), mask=mask, other=0.0,
-                eviction_policy="evict_last",
-            )  # fmt: skip
-        else:
-            x = tl.load(x_ptr + _offsets(o, i, sxo, sxg, INT64), mask=mask, other=0.0)
+        x = tl.load(x_ptr + _offsets(o, i, sxo, sxg, INT64), mask=mask, other=0.0)
         amax = tl.maximum(amax, to_fp32(x, SOFT).to(tl.int32, bitcast=True) & 0x7FFFFFFF)
     return tl.max(amax, axis=1)
 
@@ -122,53 +115,23 @@ def _amax_span(
 @triton.jit
 def _cast_span(x_ptr, data_ptr, o, omask, j0, j1, held_end, src, scale, sxo, sxg, sdo, sdg,
                SOFT: tl.constexpr, INT64: tl.constexpr, SUB: tl.constexpr,
-               STAGES: tl.constexpr, HINTS: tl.constexpr = False):  # fmt: skip
+               STAGES: tl.constexpr):  # fmt: skip
     """Destination indices [j0, j1), SUB at a time: e4m3 of x[j + src] * scale below
-    held_end, zeros from there. STAGES as in _amax_span; HINTS: x's lines (read for the
-    last time) and the data's go first from L2 (evict_first)."""
+    held_end, zeros from there. STAGES as in _amax_span."""
     for jr in tl.range(j0 // SUB * SUB, j1, SUB, num_stages=STAGES):
         j = jr + tl.arange(0, SUB)
         inside = (j >= j0) & (j < j1)
         held = inside & (j < held_end)
-        src_ptr = x_ptr + _offsets(o, j + src, sxo, sxg, INT64)
-        dst_ptr = data_ptr + _offsets(o, j, sdo, sdg, INT64)
-        if HINTS:
-            x = tl.load(src_ptr, mask=omask[:, None] & held[None, :], other=0.0,
-                        eviction_policy="evict_first")  # fmt: skip
-        else:
-            x = tl.load(src_ptr, mask=omask[:, None] & held[None, :], other=0.0)
+        x = tl.load(
+            x_ptr + _offsets(o, j + src, sxo, sxg, INT64),
+            mask=omask[:, None] & held[None, :],
+            other=0.0,
+        )
         y = _e4m3_bits(to_fp32(x, SOFT) * scale[:, None], SOFT)
         y = tl.where(held[None, :], y, tl.zeros_like(y))  # 0 also where the scale is NaN
-        if HINTS:
-            tl.store(dst_ptr, y, mask=omask[:, None] & inside[None, :],
-                     eviction_policy="evict_first")  # fmt: skip
-        else:
-            tl.store(dst_ptr, y, mask=omask[:, None] & inside[None, :])
-
-
-@triton.jit
-def _amax_tile(
-    x_ptr, ws_ptr, o, omask, lo, hi, gi, valid, starts, ends, n_other, sxo, sxg,
-    SOFT: tl.constexpr, INT64: tl.constexpr, BO: tl.constexpr, SUB: tl.constexpr,
-    ALIGN: tl.constexpr, STAGES: tl.constexpr, HINTS: tl.constexpr = False,
-):  # fmt: skip
-    """The tile of other-axis indices o and group-axis indices [lo, hi): each group's amax
-    bits merged into ws [n_groups, n_other] by atomic max (relaxed)."""
-    g_first = tl.sum((valid & (ends <= lo)).to(tl.int32), axis=0)
-    g_end = tl.sum((valid & (starts < hi)).to(tl.int32), axis=0)
-    for g in range(g_first, g_end):
-        i0 = tl.maximum(_pick(gi, starts, g), lo)
-        i1 = tl.minimum(_pick(gi, ends, g), hi)
-        if (i0 % ALIGN == 0) & (i1 % ALIGN == 0):  # the same bounds, their alignment visible
-            amax = _amax_span(x_ptr, o, omask, i0 // ALIGN * ALIGN, i1 // ALIGN * ALIGN,
-                              sxo, sxg, SOFT, INT64, BO, SUB, STAGES, HINTS)  # fmt: skip
-        else:
-            amax = _amax_span(
-                x_ptr, o, omask, i0, i1, sxo, sxg, SOFT, INT64, BO, SUB, STAGES, HINTS
-            )
-        row = tl.cast(g, tl.int64) * n_other if INT64 else g * n_other
-        # (masks compare with a scalar bound: a scalar & a tensor trips the interpreter)
-        tl.atomic_max(ws_ptr + row + o, amax, mask=o < tl.where(i1 > i0, n_other, 0), sem="relaxed")
+        tl.store(
+            data_ptr + _offsets(o, j, sdo, sdg, INT64), y, mask=omask[:, None] & inside[None, :]
+        )
 
 
 @triton.jit
@@ -186,54 +149,22 @@ def _amax_kernel(
     ws_ptr = _batch_table(ws_ptr, b, n_groups, n_other, INT64)
     gi, valid, starts, ends = group_bounds(offs_ptr, n_groups, extent, BG)
     o = t % n_strips * BO + tl.arange(0, BO)
+    omask = o < n_other
     lo = t // n_strips * BL
-    _amax_tile(x_ptr, ws_ptr, o, o < n_other, lo, tl.minimum(lo + BL, extent), gi, valid,
-               starts, ends, n_other, sxo, sxg, SOFT, INT64, BO, SUB, ALIGN, STAGES)  # fmt: skip
-
-
-@triton.jit
-def _cast_tile(
-    x_ptr, data_ptr, ws_ptr, scale_ptr, o, omask, chunk, n_chunks, gi, valid, starts, ends, p, r,
-    n_other, dest_extent, sxo, sxg, sdo, sdg,
-    ROUND_POW2: tl.constexpr, SOFT: tl.constexpr, INT64: tl.constexpr, BL: tl.constexpr,
-    SUB: tl.constexpr, ALIGN: tl.constexpr, STAGES: tl.constexpr, INVERSE: tl.constexpr,
-    HINTS: tl.constexpr = False,
-):  # fmt: skip
-    """The tile of other-axis indices o and destination chunk ``chunk`` (indices [chunk * BL,
-    + BL)): scales from the finished amax bits in ws, the e4m3 data of every group region it
-    meets (_destinations' p, r), the scales of the groups whose first index it holds."""
-    lo = chunk * BL
-    hi = tl.minimum(lo + BL, dest_extent)
-    # groups whose region meets [lo, hi), and those whose scales this tile writes (p in
-    # [lo, hi), the last tile also those at the very end): p < hi' and not (r <= lo, p < lo)
-    last = tl.where(chunk == n_chunks - 1, dest_extent + 1, lo + BL)
-    g_first = tl.minimum(
-        tl.sum((valid & (r <= lo)).to(tl.int32), axis=0),
-        tl.sum((valid & (p < lo)).to(tl.int32), axis=0),
-    )
-    g_end = tl.sum((valid & (p < last)).to(tl.int32), axis=0)
+    hi = tl.minimum(lo + BL, extent)
+    g_first = tl.sum((valid & (ends <= lo)).to(tl.int32), axis=0)
+    g_end = tl.sum((valid & (starts < hi)).to(tl.int32), axis=0)
     for g in range(g_first, g_end):
-        pg = _pick(gi, p, g)
-        sg = _pick(gi, starts, g)
-        src = sg - pg  # source index = destination index + src
-        rows = _pick(gi, ends, g) - sg  # destination indices [pg, pg + rows) hold rows
-        row = tl.cast(g, tl.int64) * n_other if INT64 else g * n_other
-        amax = tl.load(ws_ptr + row + o, mask=omask, other=0, cache_modifier=".cg")
-        scale = _scales(amax, ROUND_POW2)
-        tl.store(
-            scale_ptr + row + o,
-            _stored_scale(scale, INVERSE),
-            mask=o < tl.where(pg >= lo, n_other, 0),
-        )
-        j0 = tl.maximum(pg, lo)
-        j1 = tl.minimum(_pick(gi, r, g), hi)
-        if (j0 % ALIGN == 0) & (j1 % ALIGN == 0):  # the same bounds, their alignment visible
-            _cast_span(x_ptr, data_ptr, o, omask, j0 // ALIGN * ALIGN, j1 // ALIGN * ALIGN,
-                       pg + rows, src, scale, sxo, sxg, sdo, sdg, SOFT, INT64, SUB,
-                       STAGES, HINTS)  # fmt: skip
+        i0 = tl.maximum(_pick(gi, starts, g), lo)
+        i1 = tl.minimum(_pick(gi, ends, g), hi)
+        if (i0 % ALIGN == 0) & (i1 % ALIGN == 0):  # the same bounds, their alignment visible
+            amax = _amax_span(x_ptr, o, omask, i0 // ALIGN * ALIGN, i1 // ALIGN * ALIGN,
+                              sxo, sxg, SOFT, INT64, BO, SUB, STAGES)  # fmt: skip
         else:
-            _cast_span(x_ptr, data_ptr, o, omask, j0, j1, pg + rows, src, scale,
-                       sxo, sxg, sdo, sdg, SOFT, INT64, SUB, STAGES, HINTS)  # fmt: skip
+            amax = _amax_span(x_ptr, o, omask, i0, i1, sxo, sxg, SOFT, INT64, BO, SUB, STAGES)
+        row = tl.cast(g, tl.int64) * n_other if INT64 else g * n_other
+        # (masks compare with a scalar bound: a scalar & a tensor trips the interpreter)
+        tl.atomic_max(ws_ptr + row + o, amax, mask=o < tl.where(i1 > i0, n_other, 0), sem="relaxed")
 
 
 @triton.jit
@@ -262,6 +193,37 @@ def _cast_kernel(
     if PAD:
         tl.store(pad_ptr + gi, r, mask=gi < tl.where((t == 0) & (b == 0), n_groups, 0))
     o = t % n_strips * BO + tl.arange(0, BO)
-    _cast_tile(x_ptr, data_ptr, ws_ptr, scale_ptr, o, o < n_other, t // n_strips, n_chunks, gi,
-               valid, starts, ends, p, r, n_other, dest_extent, sxo, sxg, sdo, sdg, ROUND_POW2,
-               SOFT, INT64, BL, SUB, ALIGN, STAGES, INVERSE)  # fmt: skip
+    omask = o < n_other
+    chunk = t // n_strips
+    lo = chunk * BL
+    hi = tl.minimum(lo + BL, dest_extent)
+    # groups whose region meets [lo, hi), and those whose scales this tile writes (p in
+    # [lo, hi), the last tile also those at the very end): p < hi' and not (r <= lo, p < lo)
+    last = tl.where(chunk == n_chunks - 1, dest_extent + 1, lo + BL)
+    g_first = tl.minimum(
+        tl.sum((valid & (r <= lo)).to(tl.int32), axis=0),
+        tl.sum((valid & (p < lo)).to(tl.int32), axis=0),
+    )
+    g_end = tl.sum((valid & (p < last)).to(tl.int32), axis=0)
+    for g in range(g_first, g_end):
+        pg = _pick(gi, p, g)
+        sg = _pick(gi, starts, g)
+        src = sg - pg  # source index = destination index + src
+        rows = _pick(gi, ends, g) - sg  # destination indices [pg, pg + rows) hold rows
+        row = tl.cast(g, tl.int64) * n_other if INT64 else g * n_other
+        amax = tl.load(ws_ptr + row + o, mask=omask, other=0, cache_modifier=".cg")
+        scale = _scales(amax, ROUND_POW2)
+        tl.store(
+            scale_ptr + row + o,
+            _stored_scale(scale, INVERSE),
+            mask=o < tl.where(pg >= lo, n_other, 0),
+        )
+        j0 = tl.maximum(pg, lo)
+        j1 = tl.minimum(_pick(gi, r, g), hi)
+        if (j0 % ALIGN == 0) & (j1 % ALIGN == 0):  # the same bounds, their alignment visible
+            _cast_span(x_ptr, data_ptr, o, omask, j0 // ALIGN * ALIGN, j1 // ALIGN * ALIGN,
+                       pg + rows, src, scale, sxo, sxg, sdo, sdg, SOFT, INT64, SUB,
+                       STAGES)  # fmt: skip
+        else:
+            _cast_span(x_ptr, data_ptr, o, omask, j0, j1, pg + rows, src, scale,
+                       sxo, sxg, sdo, sdg, SOFT, INT64, SUB, STAGES)  # fmt: skip

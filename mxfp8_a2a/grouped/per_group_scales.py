@@ -27,7 +27,6 @@ from .._common import (
 from ..formats.launch import launch
 from .kernels import _row_block_kernel
 from .kernels_colwise import _amax_kernel, _cast_kernel
-from .kernels_window import SYNC_LINE, _window_kernel
 from .reference import (
     DATA_LAYOUTS,
     empty_data,
@@ -134,10 +133,6 @@ def _colwise(
     if g == 0:  # no group: nothing for the kernels to write, all data 0
         data.zero_()
         return scales
-    wt = _config.per_group_window_tiling(soft) if amax is None else None
-    if wt is not None:
-        _window(x, offs, pow2, data, pad, scales, wt, inverse)
-        return scales
     ws = (
         torch.zeros((batch, g, n_other), dtype=torch.int32, device=x.device)
         if amax is None
@@ -168,36 +163,6 @@ def _colwise(
         c.num_warps,
     )  # fmt: skip
     return scales
-
-
-def _window(x, offs, pow2, data, pad, scales, wt: _config.WindowTiling, inverse) -> None:
-    """_colwise in one launch (kernels_window.py): the same arguments and results."""
-    soft = x.device.type == "cpu"
-    batch, extent, n_other = x.shape
-    dest_extent, g = data.shape[1], offs.numel()
-    n_strips = max(1, cdiv(n_other, wt.block_other))
-    wpb = cdiv(n_strips, wt.window_strips)
-    # one zeroed buffer: the amax bits [batch, g, n_other], then (from a 128-byte boundary)
-    # the ticket and the windows' counts, a line each
-    table = cdiv(batch * g * n_other, SYNC_LINE) * SYNC_LINE
-    ws = torch.zeros(table + SYNC_LINE * (1 + batch * wpb), dtype=torch.int32, device=x.device)
-    sync = ws[table:]
-    int64 = max(_extent(x), _extent(data), ws.numel()) >= INT64_FROM
-    a_chunks, x_chunks = cdiv(extent, wt.amax_rows), cdiv(dest_extent, wt.cast_rows)
-    slots = (batch * wpb + wt.lookahead) * (a_chunks + x_chunks) * wt.window_strips
-    sms = 1 if soft else torch.cuda.get_device_properties(x.device).multi_processor_count
-    launch(
-        _window_kernel, max(1, min(sms * wt.programs_per_sm, cdiv(slots, wt.grab))),
-        (x, offs, ws, sync, scales, data, ws if pad is None else pad, n_other, extent, g,
-         dest_extent, x.stride(0), x.stride(2), x.stride(1), data.stride(0), data.stride(2),
-         data.stride(1), n_strips, wpb, batch * wpb, a_chunks, x_chunks, wt.lookahead, wt.grab),
-        dict(ROUND_POW2=pow2, SOFT=soft, INT64=int64, PAD=pad is not None, BO=wt.block_other,
-             BLA=wt.amax_rows, BLX=wt.cast_rows, SUB=wt.sub, BG=max(2, next_pow2(g)),
-             WS=wt.window_strips, ALIGN_X=16 if x.stride(1) == 1 else 1,
-             ALIGN_D=16 if data.stride(1) == 1 else 1, STAGES=wt.stages or None,
-             INVERSE=inverse, HINTS=bool(wt.hints)),
-        wt.num_warps,
-    )  # fmt: skip
 
 
 _per_group_op = torch.library.custom_op(
