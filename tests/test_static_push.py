@@ -26,28 +26,33 @@ from mxfp8_a2a.moe import static_kernels as sk
 from mxfp8_a2a.moe.static_plan import send_plan
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-SPINS = 20_000_000  # a barrier's bound in these tests (seconds), so a failure cannot hang
+SPINS = 5_000_000  # a barrier's bound in these tests (seconds), so a failure cannot hang
 
 
 def _seed() -> int:
     return random.SystemRandom().randrange(2**20)
 
 
-def run_ranks(bufs, fn):
+def run_ranks(bufs, fn, rounds=None):
     """[fn(rank, buf) for each emulated rank], all at once: one stream per rank, nothing read
-    on the host until every rank is queued. First a round whose barriers do not wait (so
-    that every kernel is loaded before any rank spins: loading a kernel may wait for the
-    device, and a spinning rank never lets it go), then the round whose results count."""
+    on the host until every rank is queued. With ``rounds`` (functions like fn), each rank's
+    list of their results, issued round by round across the ranks (a stream whose rank waits
+    in a barrier drains nothing, and the host blocks once about a thousand launches wait on
+    one stream). First a round whose barriers do not wait (so that every kernel is loaded
+    before any rank spins: loading a kernel may wait for the device, and a spinning rank
+    never lets it go), then the one whose results count."""
     for warm in (True, False):
         for b in bufs:
             b.spin_limit = 0 if warm else SPINS
         cur = torch.cuda.current_stream()
         streams = [torch.cuda.Stream() for _ in bufs]
-        outs = []
-        for r, (b, s) in enumerate(zip(bufs, streams, strict=True)):
+        for s in streams:
             s.wait_stream(cur)
-            with torch.cuda.stream(s):
-                outs.append(fn(r, b))
+        outs = [[] for _ in bufs]
+        for f in rounds or [fn]:
+            for r, (b, s) in enumerate(zip(bufs, streams, strict=True)):
+                with torch.cuda.stream(s):
+                    outs[r].append(f(r, b))
         for s in streams:
             cur.wait_stream(s)
         torch.cuda.synchronize()
@@ -56,7 +61,7 @@ def run_ranks(bufs, fn):
                 b.reset()
     for b in bufs:
         b.check()
-    return outs
+    return outs if rounds else [o[0] for o in outs]
 
 
 def model_step(data, exchange, align, capacity, experts):
@@ -109,7 +114,7 @@ def test_fifty_calls_back_to_back():
             for s in seeds]  # fmt: skip
     bufs = PushBuffer.emulated(world, HIDDEN, experts, capacity=cap)
     steps = [model_step(d, "mxfp8", align, cap, experts) for d in data]
-    outs = run_ranks(bufs, lambda r, b: [step(r, b) for step in steps])
+    outs = run_ranks(bufs, None, rounds=steps)
     for i, s in enumerate(seeds):
         for r in range(world):
             check_model(r, world, s, tokens, top_k, per_rank, "normal", cap, "mxfp8", align,

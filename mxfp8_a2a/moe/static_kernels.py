@@ -158,7 +158,9 @@ def _store_wire(buf_ptr, row, c0, cols, mask, v, s, hidden, row_stride, cap, MX:
     if PUSH:
         r = tl.where(ok, row, 0)
         base = tl.load(buf_ptr + r // cap, mask=ok, other=0).to(tl.pointer_type(v.dtype))
-        at = base + (r % cap) * row_stride
+        # (rows of a multiple of 16 bytes from 16-byte aligned regions, static_push.check_fits:
+        # said here, so that the stores are 16-byte vectors, as into a buffer argument)
+        at = tl.multiple_of(base + (r % cap) * row_stride, 16)
     else:
         at = buf_ptr + row * row_stride
     tl.store(at[:, None] + cols, v, mask=mask & ok[:, None])

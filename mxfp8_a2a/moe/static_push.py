@@ -32,6 +32,12 @@ def check_fits(buf: PushBuffer, cap: int, hidden: int, dtype: torch.dtype, wire:
     buf._check_live()
     shape, wdt = sk.wire_shape(1, hidden, dtype, wire)
     need = cap * shape[1] * wdt.itemsize
+    if shape[1] * wdt.itemsize % 16:
+        raise ValueError(
+            f"the push transport moves rows of a multiple of 16 bytes; {wire} rows of "
+            f"hidden={hidden} ({dtype}) are {shape[1] * wdt.itemsize}: use exchange='mxfp8' "
+            "or transport='nccl'"
+        )
     if device != buf.device:
         raise ValueError(f"x is on {device}, the PushBuffer on {buf.device}")
     if need > buf.capacity * buf.row_bytes:
