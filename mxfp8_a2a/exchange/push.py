@@ -222,7 +222,6 @@ class PushBuffer:
         mems = [torch.zeros(bufs[0].nbytes, dtype=torch.uint8, device=device) for _ in bufs]
         for r, b in enumerate(bufs):
             b._setup(r, mems[r:] + mems[:r], [m.data_ptr() for m in mems], spin_limit)
-            b.group, b._handle = None, None
         return bufs
 
     def _layout(self, world, hidden, num_experts, tokens, top_k, capacity, exchange, dtype):
@@ -258,6 +257,7 @@ class PushBuffer:
         if spin_limit is not None and (type(spin_limit) is not int or spin_limit < 0):
             raise ValueError(f"spin_limit must be an int >= 0 or None, got {spin_limit!r}")
         self.rank, self._mems, self.device = rank, mems, mems[0].device
+        self.group, self._handle = None, None  # (a process group's: set by __init__)
         w, mine = self.world, bases[rank]
         addr = [b + 8 * rank for b in bases] + [mine + 8 * p for p in range(w)]
         self._bases = torch.tensor(bases, dtype=torch.int64, device=self.device)
