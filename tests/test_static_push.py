@@ -283,8 +283,8 @@ def test_two_processes_through_cuda_ipc():
 
     ctx = mp.get_context("spawn")
     queues, results = [ctx.Queue(), ctx.Queue()], ctx.Queue()
-    case = (2, [7, 5], 2, 2, 6, 4)
-    procs = [ctx.Process(target=ipc_rank, args=(r, _seed(), case, queues, results))
+    case, seed = (2, [7, 5], 2, 2, 6, 4), _seed()
+    procs = [ctx.Process(target=ipc_rank, args=(r, seed, case, queues, results))
              for r in range(2)]  # fmt: skip
     for p in procs:
         p.start()
