@@ -156,11 +156,12 @@ def _store_wire(buf_ptr, row, c0, cols, mask, v, s, hidden, row_stride, cap, MX:
     goes to row r % cap there, of table[r // cap] (an all-to-all of equal splits ``cap``)."""
     ok = row >= 0
     if PUSH:
-        r = tl.where(ok, row, 0)
-        base = tl.load(buf_ptr + r // cap, mask=ok, other=0).to(tl.pointer_type(v.dtype))
+        r = tl.where(ok, row, 0).to(tl.int32)  # (send rows < 2**31: int32 division is cheaper)
+        peer = r // cap
+        base = tl.load(buf_ptr + peer, mask=ok, other=0).to(tl.pointer_type(v.dtype))
         # (rows of a multiple of 16 bytes from 16-byte aligned regions, static_push.check_fits:
         # said here, so that the stores are 16-byte vectors, as into a buffer argument)
-        at = tl.multiple_of(base + (r % cap) * row_stride, 16)
+        at = tl.multiple_of(base + (r - peer * cap).to(tl.int64) * row_stride, 16)
     else:
         at = buf_ptr + row * row_stride
     tl.store(at[:, None] + cols, v, mask=mask & ok[:, None])

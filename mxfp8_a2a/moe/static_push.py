@@ -38,6 +38,8 @@ def check_fits(buf: PushBuffer, cap: int, hidden: int, dtype: torch.dtype, wire:
             f"hidden={hidden} ({dtype}) are {shape[1] * wdt.itemsize}: use exchange='mxfp8' "
             "or transport='nccl'"
         )
+    if buf.world * cap >= 2**31:
+        raise ValueError(f"capacity {cap} x {buf.world} ranks: the push path takes < 2**31 rows")
     if device != buf.device:
         raise ValueError(f"x is on {device}, the PushBuffer on {buf.device}")
     if need > buf.capacity * buf.row_bytes:
