@@ -5,8 +5,8 @@ Run as a script (the kernels must be decorated without TRITON_INTERPRET). Prints
 line per build: {"kernel", "cap", "variant", "ue8m0": bool, "e4m3_cvt": bool}, plus
 "v4_loads": bool (16-byte loads: ld.global.v4, or cp.async of 16 bytes where a loop is
 software-pipelined) and "maxnreg": int (the PTX register cap, 0 if none) for
-the per-group kernels, "v4_stores": bool (16-byte stores of the e4m3 data) for the push
-kernel.
+the per-group kernels, "v4_stores": bool (16-byte stores of the e4m3 data) for the static
+path's scatter encoder storing through the push transport's address table.
 """
 
 import json
@@ -19,7 +19,6 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, compile  # noqa: E402
 
 from mxfp8_a2a import _config  # noqa: E402
-from mxfp8_a2a.exchange.push import _push_kernel  # noqa: E402
 from mxfp8_a2a.formats.dequantize import _dequantize_kernel  # noqa: E402
 from mxfp8_a2a.formats.quantize import _quantize_kernel  # noqa: E402
 from mxfp8_a2a.formats.roundtrip import _roundtrip_kernel  # noqa: E402
@@ -27,6 +26,7 @@ from mxfp8_a2a.grouped.kernels import _row_block_kernel  # noqa: E402
 from mxfp8_a2a.grouped.kernels_colwise import _amax_kernel, _cast_kernel  # noqa: E402
 from mxfp8_a2a.grouped.row_scales import _row_scales_kernel  # noqa: E402
 from mxfp8_a2a.grouped.weight_scales import _weight_rows_kernel  # noqa: E402
+from mxfp8_a2a.moe.static_kernels import _scatter_encode_kernel, _tile  # noqa: E402
 
 I32 = "i32"
 GAP = ["n_groups", "groups_per_row", "gap_at", "gap_len"]
@@ -38,26 +38,11 @@ ROUNDTRIP_SIG = dict.fromkeys(GAP[:2] + ["stride_xm", "stride_xk", "stride_om"],
 CP_ASYNC_16 = re.compile(
     r"cp\.async\.(?:ca|cg)\.shared\.global\S*\s*\[[^\]]*\],\s*\[[^\]]*\],\s*(?:0x10|16)\b"
 )
-PUSH_SIG = (
-    {"x_ptr": "*bf16"}
-    | dict.fromkeys(["table_ptr", "begin_ptr", "count_ptr", "start_ptr"], "*i64")
-    | dict.fromkeys(
-        [
-            "n_groups",
-            "groups_per_row",
-            "n_dest",
-            "stride_xm",
-            "stride_xk",
-            "row_bytes",
-            "capacity",
-            "k",
-        ],
-        I32,
-    )
-)
-# what a launch specializes as multiples of 16 (K % 32 == 0, wire rows of 16n bytes)
-PUSH_ALIGNED = ["x_ptr", "table_ptr", "begin_ptr", "count_ptr", "start_ptr", "groups_per_row"]
-PUSH_ALIGNED += ["stride_xm", "row_bytes", "k"]
+# the static path's scatter encoder storing through an address table (PUSH: the push transport)
+PUSH_SIG = {"x_ptr": "*bf16", "rows_of_ptr": "*i64", "buf_ptr": "*i64"}
+PUSH_SIG |= dict.fromkeys(["n_tokens", "hidden", "stride_x", "row_stride", "cap"], I32)
+# what a launch specializes as multiples of 16 (H % 32 == 0, wire rows of 16n bytes)
+PUSH_ALIGNED = ["x_ptr", "rows_of_ptr", "buf_ptr", "hidden", "stride_x", "row_stride"]
 PER_GROUP_ARGS = ["x_ptr", "offs_ptr", "scale_ptr", "data_ptr", "n_other", "extent"]
 PER_GROUP_ARGS += ["n_groups", "sxo", "sxg", "sdo", "sdg"]
 
@@ -195,9 +180,11 @@ for cap in (90, 100):
                 }
             )
         )
-    push_consts = {"stride_xk": 1, "RCEIL": True, "BLOCK_G": _config.QUANTIZE_BLOCK_G, "BW": 8}
-    push_consts |= {"SOFT": False, "HW_E8M0": cap >= 100}
-    ptx = build(_push_kernel, PUSH_SIG, push_consts, cap, PUSH_ALIGNED, _config.QUANTIZE_NUM_WARPS)
+    bt, nb, w = _tile(7168, 4096, True, False)
+    push_consts = {"K": 8, "MX": True, "RCEIL": True, "HW_E8M0": cap >= 100, "SOFT": False}
+    push_consts |= {"BLOCK_T": bt, "NB": nb, "W": w, "PUSH": True}
+    ptx = build(_scatter_encode_kernel, PUSH_SIG, push_consts, cap, PUSH_ALIGNED,
+                _config.STATIC_ROWS_NUM_WARPS)  # fmt: skip
     print(
         json.dumps(
             {

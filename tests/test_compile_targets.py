@@ -32,8 +32,9 @@ def test_per_group_kernels_move_whole_vectors(builds):
 
 
 def test_push_kernel_stores_whole_vectors(builds):
-    """The push kernel's e4m3 data goes out 16 bytes at a time (its destination pointers come
-    from a table, so only its alignment hint tells the compiler)."""
+    """The push transport's encoder stores its e4m3 data 16 bytes at a time (its destination
+    addresses come from a table, so only its alignment hint tells the compiler; without it
+    the stores went out a byte at a time, 19x slower on an H200)."""
     push = [b for b in builds if b["kernel"] == "push"]
     assert push and all(b["v4_stores"] for b in push), push
 
