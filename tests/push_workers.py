@@ -66,7 +66,16 @@ def push_rule(rank, world, backend):
     finally:
         push.socket.gethostname = real
     assert "the ranks are on 2 hosts" in hosts
+    assert push.push_unavailable(None, "cpu") == off_cuda  # (a device name works too)
     return off_cuda, hosts
+
+
+def push_bad_argument(rank, world, backend):
+    try:
+        push.PushBuffer(None, HIDDEN, 4, capacity=-1 if rank == 1 else 4, device="cpu")
+    except ValueError as e:
+        return str(e)
+    raise AssertionError("no error")
 
 
 def ipc_rank(rank, seed, case, queues, results):

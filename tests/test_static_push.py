@@ -17,7 +17,7 @@ import pytest
 import torch
 from dist_utils import run_distributed
 from helpers import KERNEL_DEVICES, fresh_generator, random_blocks
-from push_workers import ipc_rank, push_equals_nccl, push_rule
+from push_workers import ipc_rank, push_bad_argument, push_equals_nccl, push_rule
 from static_workers import HIDDEN, check_model, inputs
 
 import mxfp8_a2a as mx
@@ -26,7 +26,7 @@ from mxfp8_a2a.moe import static_kernels as sk
 from mxfp8_a2a.moe.static_plan import send_plan
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-SPINS = 5_000_000  # a barrier's bound in these tests (seconds), so a failure cannot hang
+SPINS = 5_000_000  # a barrier's bound in these tests (iterations: seconds), so nothing hangs
 
 
 def _seed() -> int:
@@ -204,6 +204,12 @@ def test_the_rule_picks_nccl_across_hosts_or_off_cuda():
     assert reasons[0] == reasons[1]
 
 
+def test_buffer_arguments_checked_on_every_rank():
+    """One rank's bad argument: the same error on every rank, before any allocation."""
+    errors = run_distributed(push_bad_argument, 2, "gloo")
+    assert errors[0] == errors[1] and "rank 1: capacity must be" in errors[0]
+
+
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("wire", ["mxfp8", "bf16"])
 def test_encoders_store_where_all_to_all_puts_rows(device, wire):
@@ -270,6 +276,12 @@ def test_buffer_sizes_and_errors():
         mx.dispatch_static(x, ids, 4 * 40, 1, transport=b)
     with pytest.raises(ValueError, match="transport must be"):
         mx.dispatch_static(x, ids, 8, 1, transport="push")
+    with pytest.raises(ValueError, match="bf16 or fp32 rows"):
+        mx.dispatch_static(x.half(), ids, 8, 1, exchange="bf16", transport=b)
+    with pytest.raises(TypeError, match="capcity"):
+        PushBuffer.emulated(2, 64, 4, capcity=3, device="cpu")
+    with pytest.raises(ValueError, match="spin_limit"):
+        PushBuffer.emulated(2, 64, 4, capacity=3, device="cpu", spin_limit=2**31)
     b.free()
     with pytest.raises(RuntimeError, match="freed"):
         mx.dispatch_static(x, ids, 8, 1, transport=b)
@@ -301,12 +313,13 @@ def test_two_processes_through_cuda_ipc():
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_barrier_gives_up_after_spin_limit_and_reset_clears(device):
     bufs = PushBuffer.emulated(2, 64, 2, capacity=1, device=device, spin_limit=3)
-    bufs[0].barrier()  # rank 1 never comes: rank 0 gives up
-    with pytest.raises(RuntimeError, match="gave up after 3 spins"):
-        bufs[0].check()
+    bufs[0].barrier()  # rank 1 never comes: rank 0 gives up, and tells rank 1
     bufs[1].barrier()  # rank 0's signal is there: no wait
-    bufs[1].check()
+    for b in bufs:
+        with pytest.raises(RuntimeError, match="gave up after 3 spins"):
+            b.check()
     for b in bufs:
         b.reset()
+    for b in bufs:
         b.check()
     assert not any(b._epochs.any() for b in bufs)

@@ -7,7 +7,8 @@ every peer's address space; torch.distributed._symmetric_memory, a private torch
 checked at construction), or, for W ranks emulated in one process (tests, benchmarks), W
 plain device tensors. Bytes of rank d's allocation:
 
-- pads int64 [W]: pads[s] = the last barrier rank s has signalled to rank d;
+- pads int64 [W]: pads[s] = the last barrier rank s has signalled to rank d; then rank d's
+  error flag (int64);
 - counts int64 [W, C]: row s, the counts message rank s sent rank d (C count columns);
 - rows: [W * cap, row] wire rows, source s's rows at [s * cap, (s + 1) * cap) for the call's
   cap <= capacity (the layout of all_to_all_single's output with equal splits cap).
@@ -23,14 +24,18 @@ a later kernel on the same stream, so those stores happen before it. In the barr
 program signals one peer with an atomic max at system scope with release semantics (the
 stores before it become visible to whoever acquires the signal) and then spins on its own pad
 with acquire semantics (an atomic read at system scope) until that peer's signal arrives;
-the kernels after it, on the same stream, read after the acquire. Signals are epochs (the
+the kernels after it, on the same stream, read after the acquire. (torch's own
+symmetric-memory barrier orders a previous kernel's stores the same way: a system-scope
+fence in the barrier kernel, after the writing kernel on the stream; this is to be confirmed
+across GPUs.) Every exchange on one buffer must run on one stream, in the same order on
+every rank (as for any collective). Signals are epochs (the
 n-th barrier writes n), not flags: a pad needs no reset, so a CUDA graph replays the same
-kernels, and repeated or reordered signals are harmless (atomic max). Every rank must run the
-same sequence of exchanges (as for any collective).
+kernels, and repeated or reordered signals are harmless (atomic max).
 
-A spin gives up after ``spin_limit`` iterations (None: never), sets the error flag that
-:meth:`PushBuffer.check` raises on, and lets the stream go on with whatever the buffer holds;
-after that the epochs of the ranks differ: :meth:`PushBuffer.reset` on every rank.
+A spin gives up after ``spin_limit`` iterations (None: never), sets its rank's error flag
+and the late peer's (whose buffer it may now write early), which :meth:`PushBuffer.check`
+raises on, and lets the stream go on; the ranks' epochs then differ: :meth:`PushBuffer.reset`
+on every rank.
 """
 
 from __future__ import annotations
@@ -55,11 +60,12 @@ _KEYS = itertools.count(1)
 
 
 @triton.jit
-def _barrier_kernel(addr_ptr, epoch_ptr, err_ptr, world, spin_limit):
+def _barrier_kernel(addr_ptr, epoch_ptr, world, spin_limit):
     """Program p: signal peer p (the next epoch, release), then wait for peer p's signal of
-    the same epoch (acquire). addr_ptr int64 [2W]: addresses of this rank's pad in each
-    peer's buffer, then of each peer's pad in this rank's buffer; epoch_ptr int64 [W], this
-    rank's barriers so far with each peer; err_ptr int64 [1], set to 1 if a spin gave up."""
+    the same epoch (acquire). addr_ptr int64 [3W + 1]: addresses of this rank's pad in each
+    peer's buffer, of each peer's pad in this rank's buffer, of each rank's error flag, of
+    this rank's; epoch_ptr int64 [W], this rank's barriers so far with each peer. Giving up
+    sets this rank's error flag and peer p's (its buffer may now be written early)."""
     p = tl.program_id(0)
     e = tl.load(epoch_ptr + p) + 1
     tl.store(epoch_ptr + p, e)
@@ -72,7 +78,9 @@ def _barrier_kernel(addr_ptr, epoch_ptr, err_ptr, world, spin_limit):
         seen = tl.atomic_max(mine, 0, sem="acquire", scope="sys")
         n += 1
     if seen < e:
-        tl.atomic_max(err_ptr, 1)
+        tl.atomic_max(tl.load(addr_ptr + 3 * world).to(tl.pointer_type(tl.int64)), 1, scope="sys")
+        peer_err = tl.load(addr_ptr + 2 * world + p).to(tl.pointer_type(tl.int64))
+        tl.atomic_max(peer_err, 1, scope="sys")
 
 
 @triton.jit
@@ -108,32 +116,49 @@ def _symm_mem():
     return symm_mem if all(hasattr(symm_mem, f) for f in ("empty", "rendezvous")) else None
 
 
-def push_unavailable(group: dist.ProcessGroup | None, device: torch.device) -> str | None:
-    """Why the push transport cannot serve ``group`` on ``device`` (None: it can): every rank
-    on one host, on a CUDA GPU, with peer access to every other rank's GPU where this
-    process can see it, and torch symmetric memory present. A collective (all_gather_object)
-    when the group has more than one rank; the same answer on every rank."""
-    local = None
-    if device.type != "cuda":
-        local = f"tensors on {device}, not on a CUDA GPU"
-    elif _symm_mem() is None:
-        local = "this torch has no torch.distributed._symmetric_memory"
-    me = (socket.gethostname(), device.index if device.type == "cuda" else -1, local)
+def _gather(group: dist.ProcessGroup | None, value) -> list:
+    """Every rank's ``value`` (all_gather_object; a group of one rank gathers nothing)."""
     world = dist.get_world_size(group) if dist.is_initialized() else 1
-    peers = [me]
-    if world > 1:
-        peers = [None] * world
-        dist.all_gather_object(peers, me, group=group)
+    if world == 1:
+        return [value]
+    out = [None] * world
+    dist.all_gather_object(out, value, group=group)
+    return out
+
+
+def _this_rank(device: torch.device) -> tuple:
+    """(host, GPU uuid, why not, or None) of this rank: on a CUDA GPU with peer access to
+    every other GPU this process sees, torch symmetric memory present."""
+    if device.type != "cuda":
+        return socket.gethostname(), None, f"tensors on {device}, not on a CUDA GPU"
+    if _symm_mem() is None:
+        return socket.gethostname(), None, "this torch has no torch.distributed._symmetric_memory"
+    uuid = str(getattr(torch.cuda.get_device_properties(device), "uuid", device.index))
+    for j in range(torch.cuda.device_count()):
+        if j != device.index and not torch.cuda.can_device_access_peer(device, j):
+            return socket.gethostname(), uuid, f"no peer access from {device} to cuda:{j}"
+    return socket.gethostname(), uuid, None
+
+
+def _verdict(peers: list) -> str | None:
+    """Why not, from every rank's _this_rank (the same answer on every rank), or None."""
     reasons = [f"rank {r}: {why}" for r, (_, _, why) in enumerate(peers) if why]
     if len({host for host, _, _ in peers}) > 1:
         reasons.append(f"the ranks are on {len({h for h, _, _ in peers})} hosts")
-    if device.type == "cuda" and not reasons:
-        seen = torch.cuda.device_count()
-        for r, (_, index, _) in enumerate(peers):
-            if index != device.index and index < seen:
-                if not torch.cuda.can_device_access_peer(device, index):
-                    reasons.append(f"no peer access from {device} to rank {r}'s cuda:{index}")
+    gpus = [uuid for _, uuid, _ in peers if uuid is not None]
+    if len(set(gpus)) < len(gpus):
+        reasons.append("two ranks share a GPU")
     return "; ".join(reasons) or None
+
+
+def push_unavailable(
+    group: dist.ProcessGroup | None, device: torch.device | str | None = None
+) -> str | None:
+    """Why the push transport cannot serve ``group`` on ``device`` (None: it can): every rank
+    on one host, on a GPU of its own, with peer access to every GPU its process sees, and
+    torch symmetric memory present. A collective (all_gather_object) when the group has more
+    than one rank; the same answer on every rank."""
+    return _verdict(_gather(group, _this_rank(_device(device))))
 
 
 def static_transport(
@@ -193,19 +218,39 @@ class PushBuffer:
     ):
         device = _device(device)
         world = dist.get_world_size(group)
-        why = push_unavailable(group, device)
-        if why is not None:
-            raise ValueError(f"PushBuffer: the push transport cannot serve this group ({why}); "
-                             "use transport='nccl'")  # fmt: skip
-        self._layout(world, hidden, num_experts, tokens, top_k, capacity, exchange, dtype)
-        symm_mem = _symm_mem()
-        mem = symm_mem.empty(self.nbytes, dtype=torch.uint8, device=device)
-        mem.zero_()
+        try:  # (checked everywhere before any rank acts on it: one gather, one answer)
+            self._layout(world, hidden, num_experts, tokens, top_k, capacity, exchange, dtype)
+            self._check_spin_limit(spin_limit)
+            mine = None, (self.capacity, self.row_bytes, self.count_columns, self.nbytes)
+        except (TypeError, ValueError) as e:
+            mine = str(e), None
+        peers = _gather(group, (_this_rank(device), *mine))
+        errors = [f"rank {r}: {e}" for r, (_, e, _) in enumerate(peers) if e]
+        why = _verdict([p[0] for p in peers])
+        sizes = [p[2] for p in peers]
+        if not errors and why is None and len(set(sizes)) > 1:
+            errors.append(
+                f"the ranks' buffers differ ((capacity, row bytes, count columns, bytes) by rank: "
+                f"{sizes}): pass the same hidden, num_experts, exchange and capacity (or tokens) "
+                "on every rank"
+            )
+        if errors or why:
+            raise ValueError("PushBuffer: " + ("; ".join(errors) or
+                             f"the push transport cannot serve this group ({why}); use "
+                             "transport='nccl'"))  # fmt: skip
+        symm_mem, mem, failed = _symm_mem(), None, None
+        try:
+            mem = symm_mem.empty(self.nbytes, dtype=torch.uint8, device=device).zero_()
+        except RuntimeError as e:  # (out of memory, say: every rank must hear of it)
+            failed = f"{type(e).__name__}: {e}"
+        failures = [f"rank {r}: {f}" for r, f in enumerate(_gather(group, failed)) if f]
+        if failures:
+            raise RuntimeError(f"PushBuffer: allocating {self.nbytes} bytes failed: {failures}")
         handle = symm_mem.rendezvous(mem, (group or dist.group.WORLD).group_name)
         torch.cuda.synchronize(device)
-        dist.barrier(group)  # (every rank's buffer zeroed before any rank's first store)
         self._setup(dist.get_rank(group), [mem], list(handle.buffer_ptrs), spin_limit)
         self.group, self._handle = group, handle
+        self._sync()  # (every rank's buffer zeroed before any rank's first store)
 
     @classmethod
     def emulated(cls, world: int, hidden: int, num_experts: int, *, device=None,
@@ -213,6 +258,9 @@ class PushBuffer:
         """W ranks' buffers in this process (plain tensors on ``device``): rank r's calls
         must run concurrently with the others' (one stream per rank; a CUDA GPU), e.g. to
         test the protocol on one GPU. ``sizes``: tokens, top_k, capacity, exchange, dtype."""
+        unknown = set(sizes) - {"tokens", "top_k", "capacity", "exchange", "dtype"}
+        if unknown:
+            raise TypeError(f"PushBuffer.emulated got unexpected arguments {sorted(unknown)}")
         bufs = [cls.__new__(cls) for _ in range(world)]
         for b in bufs:
             b._layout(world, hidden, num_experts, sizes.get("tokens"), sizes.get("top_k"),
@@ -247,23 +295,28 @@ class PushBuffer:
         self.capacity, self.exchange = capacity, exchange
         self.row_bytes = wire_row(hidden) if exchange == "mxfp8" else hidden * dtype.itemsize
         self.count_columns = 1 + max(_config.DISPATCH_INLINE_COUNTS, local)
-        self._counts_at = _round_up(8 * world)
+        self._counts_at = _round_up(8 * (world + 1))  # W pads, then the error flag
         self._rows_at = self._counts_at + _round_up(8 * world * self.count_columns)
         self.nbytes = self._rows_at + _round_up(world * capacity * self.row_bytes)
+
+    @staticmethod
+    def _check_spin_limit(spin_limit) -> None:
+        if spin_limit is not None and (type(spin_limit) is not int or not 0 <= spin_limit < 2**31):
+            raise ValueError(f"spin_limit must be an int in [0, 2**31) or None, got {spin_limit!r}")
 
     def _setup(self, rank, mems, bases, spin_limit):
         """mems[0]: this rank's allocation (the others only kept alive); bases: every rank's
         address."""
-        if spin_limit is not None and (type(spin_limit) is not int or spin_limit < 0):
-            raise ValueError(f"spin_limit must be an int >= 0 or None, got {spin_limit!r}")
+        self._check_spin_limit(spin_limit)
         self.rank, self._mems, self.device = rank, mems, mems[0].device
         self.group, self._handle = None, None  # (a process group's: set by __init__)
         w, mine = self.world, bases[rank]
         addr = [b + 8 * rank for b in bases] + [mine + 8 * p for p in range(w)]
+        addr += [b + 8 * w for b in bases] + [mine + 8 * w]  # the ranks' error flags, this one
         self._bases = torch.tensor(bases, dtype=torch.int64, device=self.device)
         self._barrier_addr = torch.tensor(addr, dtype=torch.int64, device=self.device)
         self._epochs = torch.zeros(w, dtype=torch.int64, device=self.device)
-        self._error = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._error = mems[0][8 * w : 8 * w + 8].view(torch.int64)
         self.spin_limit = _NEVER if spin_limit is None else spin_limit
         self.key = next(_KEYS)
         _BUFFERS[self.key] = self
@@ -285,8 +338,8 @@ class PushBuffer:
     def barrier(self) -> None:
         """The barrier of the module docstring, queued on the current stream."""
         self._check_live()
-        _barrier_kernel[(self.world,)](self._barrier_addr, self._epochs, self._error,
-                                       self.world, self.spin_limit, num_warps=1)  # fmt: skip
+        _barrier_kernel[(self.world,)](self._barrier_addr, self._epochs, self.world,
+                                       self.spin_limit, num_warps=1)  # fmt: skip
 
     def put_counts(self, msg: torch.Tensor) -> None:
         """Store msg int64 [W, C] row d as this rank's counts row in rank d's buffer."""
@@ -297,7 +350,9 @@ class PushBuffer:
     # ---------------------------------------------------------------- for the caller
 
     def check(self) -> None:
-        """Raise if a barrier gave up waiting (a host read of the error flag)."""
+        """Raise if a barrier of this rank, or of a rank that gave up waiting for it, gave up
+        (a host read of the error flag; call it on every rank)."""
+        self._check_live()
         if int(self._error.item()):
             raise RuntimeError(
                 f"PushBuffer (rank {self.rank}): a barrier gave up after {self.spin_limit} "
@@ -306,18 +361,29 @@ class PushBuffer:
             )
 
     def reset(self) -> None:
-        """Zero this rank's pads, barrier counts and error flag (after a spin gave up; every
-        rank, with no exchange in flight)."""
+        """Zero this rank's pads, barrier counts and error flag (after a spin gave up), with
+        no exchange in flight. Collective for a group's buffer (every rank resets before any
+        rank signals again); emulated ranks: reset every rank before the next exchange."""
         self._check_live()
-        torch.cuda.synchronize(self.device) if self.device.type == "cuda" else None
+        self._sync()
         self._mems[0][: self._counts_at].zero_()
         self._epochs.zero_()
-        self._error.zero_()
+        self._sync()
 
     def free(self) -> None:
-        """Release the buffer (this rank's part; the object is unusable afterwards)."""
+        """Release the buffer (collective for a group's buffer: no peer stores into it
+        afterwards). CUDA graphs captured with it hold its addresses: drop them first."""
+        if self._mems:
+            self._sync()
         _BUFFERS.pop(getattr(self, "key", None), None)
-        self._mems, self._handle = [], None
+        self._mems, self._handle, self._error = [], None, None
+
+    def _sync(self) -> None:
+        """Wait for this device, then (a group's buffer) for every rank of the group."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        if self._handle is not None:
+            dist.barrier(self.group, device_ids=[self.device.index])
 
     def _check_live(self) -> None:
         if not self._mems:

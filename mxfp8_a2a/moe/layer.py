@@ -54,8 +54,10 @@ class ExpertParallelMoE(torch.nn.Module):
     Forward: x [..., hidden] -> the same shape (leading dimensions flattened into tokens).
     ``exchange`` picks "mxfp8" or "bf16" for dispatch and combine, ``transport`` how the
     MXFP8 exchanges move rows ("nccl" or a Transport object, see :func:`dispatch`; for the
-    static dispatch "nccl", a :class:`mxfp8_a2a.PushBuffer` or "auto": a PushBuffer of
-    ``capacity`` rows where :func:`mxfp8_a2a.static_transport`'s rule allows, else NCCL).
+    static dispatch "nccl", a :class:`mxfp8_a2a.PushBuffer` or "auto": with ``capacity``
+    given, a PushBuffer of that capacity where :func:`mxfp8_a2a.static_transport`'s rule
+    allows (sized for rows of ``dtype``; ``layer.transport.free()`` releases it), else NCCL;
+    with ``capacity_factor``, NCCL).
     ``precision`` picks the experts' grouped GEMMs: "bf16" (unscaled, in the activations'
     dtype), "fp8_rowwise" (e4m3 operands with rowwise fp32 scales on sm_90+ GPUs, the
     plain-torch reference on CPU; hidden and ffn multiples of 16) or "fp8_rowwise_gw_hp" (the

@@ -5,10 +5,11 @@ Every shape depends only on what the host knows (tokens T, top_k, num_experts, t
 size W, ``capacity``), so nothing is read on the host, forward or backward: a MoE layer on
 it can be captured in one CUDA graph and traced by torch.compile(fullgraph=True).
 
-Capacity: rows per (source rank, destination rank) pair. Each rank sends every other rank
-exactly ``capacity`` wire rows (all_to_all_single with fixed, equal splits; rows past a
-pair's count are never read), so wire bytes and buffers are W * capacity rows per rank
-each way, whatever the routing. Per rank pair rather than per expert: the drop decision is
+Capacity: rows per (source rank, destination rank) pair. Over NCCL each rank sends every
+other rank exactly ``capacity`` wire rows (all_to_all_single with fixed, equal splits; rows
+past a pair's count are never read), so wire bytes and buffers are W * capacity rows per
+rank each way, whatever the routing; over a PushBuffer (static_push.py) only the rows kept
+are stored, at the same places. Per rank pair rather than per expert: the drop decision is
 local to the sender, experts of one rank share the rank's room (skew between the experts of
 a rank costs no drops), and the dropless value is small: T * min(top_k, L) for distinct ids
 per token (L = num_experts / W local experts), T * top_k in general.
@@ -25,8 +26,9 @@ starts at offs[l - 1] (0 for l = 0) and holds round_up(n_l, align) rows, the row
 zero; offs = int32 end offsets, what grouped_mm takes. The output has
 ``static_rows(capacity, W, L, align)`` rows; the rows past offs[-1] are zero too.
 
-Collectives: one all_to_all_single of the counts, then one of the rows (fixed splits),
-forward; the rows' one backward. The counts message has one size whatever num_experts is
+Collectives (NCCL; a PushBuffer's exchanges stand in the same places): one
+all_to_all_single of the counts, then one of the rows (fixed splits), forward; the rows' one
+backward. The counts message has one size whatever num_experts is
 (num_experts, then DISPATCH_INLINE_COUNTS count columns, or L if more): a rank
 drops the rows to and from ranks whose num_experts differs from its own and records it in
 its stats, so that :func:`check_no_drops` raises the same error on every rank (no sync
@@ -242,7 +244,8 @@ def dispatch_static(
         transport: "nccl" (all_to_all_single over the group's backend: fixed splits, padding
             rows included) or a :class:`PushBuffer` (one node: each rank's kernels store the
             rows it sends straight into the receivers' buffers, padding never sent; group
-            may then be None, the buffer's). Same results bit for bit.
+            may then be None, the buffer's; bf16/fp32 x). Same results bit for bit; the
+            PushBuffer replaces the two wire buffers of the memory above.
     Returns:
         expert_x: [static_rows(capacity, W, L, align), H] in x's dtype, expert-major (module
             docstring), padding rows zero; expert_offsets: int32 [L] end offsets of the

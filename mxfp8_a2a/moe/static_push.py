@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .._common import kernels_run_on
 from ..exchange.push import PushBuffer, lookup
 from . import static_backward as skb
 from . import static_kernels as sk
@@ -30,6 +31,11 @@ def check_fits(buf: PushBuffer, cap: int, hidden: int, dtype: torch.dtype, wire:
     """A ValueError naming the fix unless a call of these sizes fits ``buf`` (on this rank,
     before any exchange)."""
     buf._check_live()
+    if dtype not in sk.DTYPES:
+        raise ValueError(f"the push transport takes bf16 or fp32 rows, got {dtype}")
+    if not kernels_run_on(device, sk._gather_decode_kernel):
+        raise ValueError(f"the push transport runs Triton kernels: tensors on {device} need a "
+                         "CUDA GPU (or TRITON_INTERPRET=1 on the CPU)")  # fmt: skip
     shape, wdt = sk.wire_shape(1, hidden, dtype, wire)
     need = cap * shape[1] * wdt.itemsize
     if shape[1] * wdt.itemsize % 16:
@@ -100,11 +106,10 @@ def push_combine(y: Tensor, out_row: Tensor, rows_of: Tensor, weights: Tensor | 
         sk.gather_encode_into(y, out_row, table, stride, cap, wire, scaling_mode, True)
     buf.barrier()
     out = sk.slot_sum_decode(own, rows_of, weights, y.shape[1], y.dtype, wire)
-    if not keep:
-        return out, own[:0]  # (an empty view: nothing of the buffer is returned)
-    if own.shape[0] == 0:  # (capacity 0: no slot holds a row)
-        return out, own.new_zeros((rows_of.numel(), own.shape[1]))
-    return out, own.index_select(0, rows_of.reshape(-1).clamp(min=0))
+    slots = rows_of.reshape(-1)
+    if not keep or own.shape[0] == 0:  # (capacity 0: no slot holds a row)
+        return out, own.new_zeros((slots.numel() if keep else 0, own.shape[1]))
+    return out, own.index_select(0, slots.clamp(min=0)).masked_fill_((slots < 0)[:, None], 0)
 
 
 def push_combine_backward(grad: Tensor, kept: Tensor, rows_of: Tensor, weights: Tensor,
@@ -134,6 +139,9 @@ push_counts_op = _op("counts", push_counts)
 push_dispatch_op = _op("dispatch", push_dispatch)
 push_combine_op = _op("combine", push_combine)
 push_combine_backward_op = _op("combine_backward", push_combine_backward)
+if hasattr(torch.fx.node, "has_side_effect"):  # (graph passes keep them even if unused: every
+    for _name in ("counts", "dispatch", "combine", "combine_backward"):  # rank runs them all)
+        torch.fx.node.has_side_effect(getattr(torch.ops.mxfp8_a2a, f"static_push_{_name}").default)
 
 
 @push_counts_op.register_fake
