@@ -323,3 +323,21 @@ def test_barrier_gives_up_after_spin_limit_and_reset_clears(device):
     for b in bufs:
         b.check()
     assert not any(b._epochs.any() for b in bufs)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_one_rank_compiled_equals_eager(device):
+    """torch.compile(fullgraph=True) traces the push path (its ops opaque, shapes from their
+    fakes) and gives the eager bits; one emulated rank, so it runs anywhere."""
+    seed, experts, cap = _seed(), 4, 6
+    x, ids, w, _ = inputs(0, seed, 9, 2, experts, "normal", device)
+    buf = PushBuffer.emulated(1, HIDDEN, experts, capacity=cap, device=device)[0]
+
+    def forward(x, ids, w):
+        out, offs, h = mx.dispatch_static(x, ids, experts, cap, align=4, transport=buf)
+        return out, offs, mx.combine_static(out * 2, w, h)
+
+    eager = forward(x, ids, w)
+    compiled = torch.compile(forward, fullgraph=True)(x, ids, w)
+    for a, b in zip(eager, compiled, strict=True):
+        assert torch.equal(a, b)
