@@ -120,6 +120,7 @@ def test_nccl_transport_rejects_cpu_tensors_on_an_nccl_group(monkeypatch):
     from mxfp8_a2a.exchange import nccl
 
     monkeypatch.setattr(_common, "capability", lambda device: (9, 0))  # a GPU with e4m3
+    monkeypatch.setattr(checks.dist, "is_initialized", lambda: True)  # (an NCCL group)
     monkeypatch.setattr(checks.dist, "get_backend", lambda group: "nccl")
     with pytest.raises(ValueError, match=r"the group's backend \(NCCL\) takes CUDA tensors"):
         nccl.NCCL.check(torch.device("cpu"), None)
