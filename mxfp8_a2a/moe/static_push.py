@@ -37,12 +37,12 @@ def check_fits(buf: PushBuffer, cap: int, hidden: int, dtype: torch.dtype, wire:
         raise ValueError(f"the push transport runs Triton kernels: tensors on {device} need a "
                          "CUDA GPU (or TRITON_INTERPRET=1 on the CPU)")  # fmt: skip
     shape, wdt = sk.wire_shape(1, hidden, dtype, wire)
-    need = cap * shape[1] * wdt.itemsize
-    if shape[1] * wdt.itemsize % 16:
+    row = shape[1] * wdt.itemsize
+    need = cap * row
+    if row % 16:
         raise ValueError(
             f"the push transport moves rows of a multiple of 16 bytes; {wire} rows of "
-            f"hidden={hidden} ({dtype}) are {shape[1] * wdt.itemsize}: use exchange='mxfp8' "
-            "or transport='nccl'"
+            f"hidden={hidden} ({dtype}) are {row}: use exchange='mxfp8' or transport='nccl'"
         )
     if buf.world * cap >= 2**31:
         raise ValueError(f"capacity {cap} x {buf.world} ranks: the push path takes < 2**31 rows")
@@ -62,12 +62,17 @@ def check_fits(buf: PushBuffer, cap: int, hidden: int, dtype: torch.dtype, wire:
         )
 
 
-def _rows(buf: PushBuffer, cap: int, hidden: int, dtype: torch.dtype, wire: str):
-    """(table of this rank's rows in every buffer, row stride in elements, this rank's
-    received rows [W * cap, row])."""
+def _exchange(key: int, cap: int, hidden: int, dtype: torch.dtype, wire: str, store):
+    """One exchange of rows: barrier; ``store(table, row_stride)``, this rank's encoder
+    writing into every receiver's buffer (skipped at cap 0: no slot holds a row); barrier.
+    Returns (this rank's received rows [W * cap, row], store's result or None)."""
+    buf = lookup(key)
     shape, wdt = sk.wire_shape(buf.world * cap, hidden, dtype, wire)
     table = buf.table("rows", cap, shape[1] * wdt.itemsize)
-    return table, shape[1], buf.received("rows", shape[0], shape[1], wdt)
+    buf.barrier()
+    stored = store(table, shape[1]) if cap else None
+    buf.barrier()
+    return buf.received("rows", shape[0], shape[1], wdt), stored
 
 
 def push_counts(msg: Tensor, key: int) -> Tensor:
@@ -83,12 +88,11 @@ def push_dispatch(x: Tensor, rows_of: Tensor, src_row: Tensor, key: int, cap: in
                   scaling_mode: str) -> Tensor:  # fmt: skip
     """Dispatch's forward: x [T, H] stored at rows_of [T, k] (send rows < W * cap), then
     out [N, H] = decode(received[src_row]) (zeros for -1)."""
-    buf = lookup(key)
-    table, stride, own = _rows(buf, cap, x.shape[1], x.dtype, wire)
-    buf.barrier()
-    if cap:
+
+    def store(table, stride):
         sk.scatter_encode_into(x, rows_of, table, stride, cap, wire, scaling_mode, True)
-    buf.barrier()
+
+    own, _ = _exchange(key, cap, x.shape[1], x.dtype, wire, store)
     return sk.gather_decode(own, src_row, x.shape[1], x.dtype, wire)
 
 
@@ -99,12 +103,11 @@ def push_combine(y: Tensor, out_row: Tensor, rows_of: Tensor, weights: Tensor | 
     rows, y[out_row[i]] for out_row int64 [W * cap], stored back to its source; then
     out [T, H] = sum_j w[t, j] * decode(received[rows_of[t, j]]). keep: also the received
     rows of the slots in order, [T * k, row] (combine's backward reads them), else [0, row]."""
-    buf = lookup(key)
-    table, stride, own = _rows(buf, cap, y.shape[1], y.dtype, wire)
-    buf.barrier()
-    if cap:
+
+    def store(table, stride):
         sk.gather_encode_into(y, out_row, table, stride, cap, wire, scaling_mode, True)
-    buf.barrier()
+
+    own, _ = _exchange(key, cap, y.shape[1], y.dtype, wire, store)
     out = sk.slot_sum_decode(own, rows_of, weights, y.shape[1], y.dtype, wire)
     slots = rows_of.reshape(-1)
     if not keep or own.shape[0] == 0:  # (capacity 0: no slot holds a row)
@@ -117,17 +120,16 @@ def push_combine_backward(grad: Tensor, kept: Tensor, rows_of: Tensor, weights: 
                           scaling_mode: str) -> tuple[Tensor, Tensor]:  # fmt: skip
     """Combine's backward: encode(w[t, j] * grad[t]) stored at rows_of[t, j]'s place in its
     expert rank's buffer, then grad_y [N, H] = decode(received[src_row]); and grad_w fp32
-    [T, k] from push_combine's kept rows."""
-    buf = lookup(key)
+    [T, k] from push_combine's kept rows (zero at cap 0: no slot holds a row)."""
     h = grad.shape[1]
-    table, stride, own = _rows(buf, cap, h, grad.dtype, wire)
-    buf.barrier()
-    if cap:
-        grad_w = skb.slot_sum_decode_backward_into(grad, kept, rows_of, weights, table, stride,
-                                                   cap, wire, scaling_mode, True, True)  # fmt: skip
-    else:  # (no slot holds a row)
+
+    def store(table, stride):
+        return skb.slot_sum_decode_backward_into(grad, kept, rows_of, weights, table, stride,
+                                                 cap, wire, scaling_mode, True, True)  # fmt: skip
+
+    own, grad_w = _exchange(key, cap, h, grad.dtype, wire, store)
+    if grad_w is None:
         grad_w = grad.new_zeros(rows_of.shape, dtype=torch.float32)
-    buf.barrier()
     return sk.gather_decode(own, src_row, h, grad.dtype, wire), grad_w
 
 
