@@ -8,6 +8,7 @@ from static_workers import HIDDEN, inputs
 
 import mxfp8_a2a as mx
 from mxfp8_a2a.exchange import push
+from mxfp8_a2a.exchange import push_rule as rule
 
 
 def push_equals_nccl(rank, world, backend, seed, exchange):
@@ -59,12 +60,12 @@ def push_rule(rank, world, backend):
     off_cuda = push.push_unavailable(None, cpu)
     assert "rank 0: tensors on cpu" in off_cuda and "rank 1:" in off_cuda
     assert push.static_transport(None, HIDDEN, 4, capacity=4, device=cpu) == "nccl"
-    real = push.socket.gethostname
-    push.socket.gethostname = lambda: f"host{rank}"
+    real = rule.socket.gethostname
+    rule.socket.gethostname = lambda: f"host{rank}"
     try:
         hosts = push.push_unavailable(None, cpu)
     finally:
-        push.socket.gethostname = real
+        rule.socket.gethostname = real
     assert "the ranks are on 2 hosts" in hosts
     assert push.push_unavailable(None, "cpu") == off_cuda  # (a device name works too)
     return off_cuda, hosts

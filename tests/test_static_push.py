@@ -44,24 +44,31 @@ def run_ranks(bufs, fn, rounds=None):
     for warm in (True, False):
         for b in bufs:
             b.spin_limit = 0 if warm else SPINS
-        cur = torch.cuda.current_stream()
-        streams = [torch.cuda.Stream() for _ in bufs]
-        for s in streams:
-            s.wait_stream(cur)
-        outs = [[] for _ in bufs]
-        for f in rounds or [fn]:
-            for r, (b, s) in enumerate(zip(bufs, streams, strict=True)):
-                with torch.cuda.stream(s):
-                    outs[r].append(f(r, b))
-        for s in streams:
-            cur.wait_stream(s)
-        torch.cuda.synchronize()
+        outs = _issue(bufs, rounds or [fn])
         if warm:
             for b in bufs:
                 b.reset()
     for b in bufs:
         b.check()
     return outs if rounds else [o[0] for o in outs]
+
+
+def _issue(bufs, rounds):
+    """Each rank's results of ``rounds``, issued round by round, each rank on a stream of its
+    own; joined and waited for."""
+    cur = torch.cuda.current_stream()
+    streams = [torch.cuda.Stream() for _ in bufs]
+    for s in streams:
+        s.wait_stream(cur)
+    outs = [[] for _ in bufs]
+    for f in rounds:
+        for r, (b, s) in enumerate(zip(bufs, streams, strict=True)):
+            with torch.cuda.stream(s):
+                outs[r].append(f(r, b))
+    for s in streams:
+        cur.wait_stream(s)
+    torch.cuda.synchronize()
+    return outs
 
 
 def model_step(data, exchange, align, capacity, experts):
@@ -152,15 +159,7 @@ def test_graph_replay():
 
 
 def run_ranks_replay(bufs, graphs):
-    cur = torch.cuda.current_stream()
-    streams = [torch.cuda.Stream() for _ in graphs]
-    for g, s in zip(graphs, streams, strict=True):
-        s.wait_stream(cur)
-        with torch.cuda.stream(s):
-            g.replay()
-    for s in streams:
-        cur.wait_stream(s)
-    torch.cuda.synchronize()
+    _issue(bufs, [lambda r, b: graphs[r].replay()])
     for b in bufs:
         b.check()
 

@@ -3,7 +3,8 @@
 from .api import compute_output_splits, to_mxfp8_a2a_dequant
 from .copy_engine import CopyEngineTransport
 from .nccl import NcclTransport
-from .push import PushBuffer, push_unavailable, static_transport
+from .push import PushBuffer, static_transport
+from .push_rule import push_unavailable
 from .transport import Transport
 
 __all__ = [
