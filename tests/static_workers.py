@@ -126,7 +126,8 @@ def check_model(rank, world, seed, tokens_by_rank, top_k, per_rank, routing, cap
         want_gw[:, j] = torch.where(m[:, 0], (gc.float() * rt).sum(1), 0.0)
     assert torch.equal(res.detach().cpu(), want.bfloat16())
     assert torch.equal(x_grad.cpu(), want_gx.bfloat16())
-    torch.testing.assert_close(w_grad.cpu(), want_gw, rtol=1e-5, atol=1e-5)
+    # a dot of HIDDEN fp32 products, summed in another order on the GPU (3e-5 seen at ~1.3)
+    torch.testing.assert_close(w_grad.cpu(), want_gw, rtol=1e-4, atol=1e-4)
     assert not w_grad.cpu()[~kc].any()
     return want_stats
 

@@ -257,8 +257,9 @@ def test_encoders_store_where_all_to_all_puts_rows(device, wire):
                         assert torch.equal(got[i], buf[r]), (case, s, d, r)
 
 
-def test_buffer_sizes_and_errors():
-    b = PushBuffer.emulated(4, 64, 8, tokens=10, top_k=3, device="cpu")[0]
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_buffer_sizes_and_errors(device):
+    b = PushBuffer.emulated(4, 64, 8, tokens=10, top_k=3, device=device)[0]
     assert b.capacity == 10 * 2  # dropless: tokens * min(top_k, local experts)
     assert b.count_columns == 33 and b.row_bytes == 80
     assert b.nbytes >= 4 * b.capacity * b.row_bytes + 4 * 33 * 8
@@ -266,7 +267,8 @@ def test_buffer_sizes_and_errors():
         PushBuffer.emulated(2, 64, 4, device="cpu")
     with pytest.raises(ValueError, match="multiple of the group size"):
         PushBuffer.emulated(3, 64, 4, capacity=1, device="cpu")
-    x, ids = torch.zeros(4, 64, dtype=torch.bfloat16), torch.zeros(4, 2, dtype=torch.long)
+    x = torch.zeros(4, 64, dtype=torch.bfloat16, device=device)
+    ids = torch.zeros(4, 2, dtype=torch.long, device=device)
     with pytest.raises(ValueError, match="PushBuffer holds"):
         mx.dispatch_static(x, ids, 8, b.capacity + 1, transport=b)
     with pytest.raises(ValueError, match="PushBuffer holds"):
