@@ -87,7 +87,10 @@ ROWWISE_TILING = RowBlockTiling(
 )  # fmt: skip
 # 181-230 us (1.8-2.3 TB/s), the best of those tried; min_programs: small launches fill SMs.
 # One launch with the cast re-reading x from L2 (tickets over column windows; in this file's
-# history) ran 194-245 us: ncu read 503 MB of HBM at 1 group, L2 kept ~15% of the re-read:
+# history) ran 194-245 us: ncu read 503 MB of HBM at 1 group, L2 kept ~15% of the re-read.
+# Group strips held on chip (register tiles in size classes: 255 registers, 12.5% occupancy)
+# or re-read from L2 by a persistent kernel ran 185-2173 us
+# (benchmarks/results/2026-12-04/per_group_strided_sweep.txt):
 COLWISE_TILING = ColwiseTiling(
     block_other=128, amax_rows=512, cast_rows=128, sub=32, num_warps=4, min_programs=2048,
     amax_stages=3, cast_stages=3,
