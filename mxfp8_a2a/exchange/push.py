@@ -93,6 +93,12 @@ def _put_kernel(src_ptr, table_ptr, n, BLOCK: tl.constexpr):
     tl.store(dst + i, v, mask=i < n)
 
 
+def counts_columns(local: int) -> int:
+    """Columns of the static dispatch's counts message (moe/static_dispatch.py), whatever
+    the local experts ``local``: num_experts, then max(DISPATCH_INLINE_COUNTS, local) counts."""
+    return 1 + max(_config.DISPATCH_INLINE_COUNTS, local)
+
+
 def _round_up(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
@@ -197,6 +203,7 @@ class PushBuffer:
         unknown = set(sizes) - {"tokens", "top_k", "capacity", "exchange", "dtype"}
         if unknown:
             raise TypeError(f"PushBuffer.emulated got unexpected arguments {sorted(unknown)}")
+        cls._check_spin_limit(spin_limit)
         bufs = [cls.__new__(cls) for _ in range(world)]
         for b in bufs:
             b._layout(world, hidden, num_experts, sizes.get("tokens"), sizes.get("top_k"),
@@ -230,7 +237,7 @@ class PushBuffer:
         self.world, self.hidden, self.num_experts = world, hidden, num_experts
         self.capacity, self.exchange = capacity, exchange
         self.row_bytes = wire_row(hidden) if exchange == "mxfp8" else hidden * dtype.itemsize
-        self.count_columns = 1 + max(_config.DISPATCH_INLINE_COUNTS, local)
+        self.count_columns = counts_columns(local)
         self._counts_at = _round_up(8 * (world + 1))  # W pads, then the error flag
         self._rows_at = self._counts_at + _round_up(8 * world * self.count_columns)
         self.nbytes = self._rows_at + _round_up(world * capacity * self.row_bytes)
@@ -242,8 +249,7 @@ class PushBuffer:
 
     def _setup(self, rank, mems, bases, spin_limit):
         """mems[0]: this rank's allocation (the others only kept alive); bases: every rank's
-        address."""
-        self._check_spin_limit(spin_limit)
+        address; spin_limit checked by the caller."""
         self.rank, self._mems, self.device = rank, mems, mems[0].device
         self.group, self._handle = None, None  # (a process group's: set by __init__)
         w, mine = self.world, bases[rank]

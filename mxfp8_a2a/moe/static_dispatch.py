@@ -47,12 +47,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .. import _config
 from .._common import check_scaling_mode
 from ..exchange.agreement import _all_gather as all_gather
 from ..exchange.checks import group_rank_and_size
 from ..exchange.plain import HAS_FUNCOL, funcol
-from ..exchange.push import PushBuffer
+from ..exchange.push import PushBuffer, counts_columns
 from . import static_push as sp
 from . import static_rows as rows_ops
 from .dispatch import _local_error, check_owner, mark_output
@@ -177,7 +176,7 @@ def _exchange_counts(rows_of, sent, stats, num_experts, capacity, group, push):
     received [W, L] with those ranks' zeroed, and stats with the rows lost added to the
     drops and num_experts in stats[3] if any rank differed."""
     world, local = sent.shape
-    msg = F.pad(sent, (1, max(_config.DISPATCH_INLINE_COUNTS - local, 0)))
+    msg = F.pad(sent, (1, counts_columns(local) - 1 - local))
     msg[:, 0] = num_experts
     recv = _all_to_all(msg, group) if push is None else sp.push_counts_op(msg, push.key)
     agree = recv[:, 0] == num_experts  # [source rank]
@@ -258,7 +257,7 @@ def dispatch_static(
     group, push, world = _carrier(group, transport)
     _check(x, topk_ids, num_experts, world, capacity, align, exchange, scaling_mode, group)
     if push is not None:
-        columns = 1 + max(_config.DISPATCH_INLINE_COUNTS, num_experts // world)
+        columns = counts_columns(num_experts // world)
         check_fits(push, capacity, x.shape[1], x.dtype, exchange, columns, x.device)
     rows_of, sent, stats = send_plan(topk_ids, num_experts, world, capacity)
     rows_of, recv, stats = _exchange_counts(rows_of, sent.to(x.device), stats, num_experts,

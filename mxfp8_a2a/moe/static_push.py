@@ -24,6 +24,7 @@ from .._common import kernels_run_on
 from ..exchange.push import PushBuffer, lookup
 from . import static_backward as skb
 from . import static_kernels as sk
+from .static_rows import _op  # (ops named mxfp8_a2a::static_*)
 
 
 def check_fits(buf: PushBuffer, cap: int, hidden: int, dtype: torch.dtype, wire: str,
@@ -133,14 +134,10 @@ def push_combine_backward(grad: Tensor, kept: Tensor, rows_of: Tensor, weights: 
     return sk.gather_decode(own, src_row, h, grad.dtype, wire), grad_w
 
 
-def _op(name: str, fn):
-    return torch.library.custom_op(f"mxfp8_a2a::static_push_{name}", fn, mutates_args=())
-
-
-push_counts_op = _op("counts", push_counts)
-push_dispatch_op = _op("dispatch", push_dispatch)
-push_combine_op = _op("combine", push_combine)
-push_combine_backward_op = _op("combine_backward", push_combine_backward)
+push_counts_op = _op("push_counts", push_counts)
+push_dispatch_op = _op("push_dispatch", push_dispatch)
+push_combine_op = _op("push_combine", push_combine)
+push_combine_backward_op = _op("push_combine_backward", push_combine_backward)
 if hasattr(torch.fx.node, "has_side_effect"):  # (graph passes keep them even if unused: every
     for _name in ("counts", "dispatch", "combine", "combine_backward"):  # rank runs them all)
         torch.fx.node.has_side_effect(getattr(torch.ops.mxfp8_a2a, f"static_push_{_name}").default)
