@@ -17,10 +17,12 @@ Layers (one subpackage each):
 """
 
 from .exchange import (
+    WIRE_PRESETS,
     CopyEngineTransport,
     NcclTransport,
     PushBuffer,
     Transport,
+    Wires,
     compute_output_splits,
     push_unavailable,
     static_transport,
@@ -70,6 +72,8 @@ __all__ = [
     "NcclTransport",
     "PushBuffer",
     "Transport",
+    "WIRE_PRESETS",
+    "Wires",
     "capacity_for",
     "check_no_drops",
     "combine",

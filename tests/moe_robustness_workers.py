@@ -94,15 +94,15 @@ def moe_errors(rank, world):
     cases = [
         (dict(topk_ids=on(2, ids.float(), ids)), "rank 2: topk_ids must be an integer tensor"),
         (dict(topk_ids=on(0, ids[:, :1].T, ids)), r"rank 0: topk_ids must be \[tokens, k\]"),
-        (dict(x=on(1, x.half(), x)), "rank 1: x must be bfloat16 or float32 for exchange='mxfp8'"),
+        (dict(x=on(1, x.half(), x)), "rank 1: x must be bfloat16 or float32 for an MXFP8 wire"),
         (dict(x=on(0, x[:, :48], x)), r"rank 0: x.shape\[1\] \(hidden=48\) must be a multiple"),
-        (dict(exchange=on(2, "fp4", "mxfp8")), "rank 2: exchange must be one of"),
+        (dict(exchange=on(2, "fp4", "mxfp8")), "rank 2: exchange must be a preset"),
         (dict(transport=on(1, "ib", "nccl")), "rank 1: transport must be 'nccl'"),
         (dict(num_experts=experts + 1), r"num_experts \(\d+\) must be a positive multiple"),
         # ranks that disagree on what the exchanges depend on
         (dict(x=on(0, torch.randn(t, 96), x)), r"x.shape\[1\] differs .*\(\[96, 64, 64\] by"),
         (dict(x=on(1, x.bfloat16(), x)), r"x.dtype differs between ranks \(\[torch.float32, "),
-        (dict(exchange=on(0, "bf16", "mxfp8")), r"exchange differs between ranks \(\[bf16, mx"),
+        (dict(exchange=on(0, "bf16", "mxfp8")), r"exchange differs .*\(\[bf16/bf16, mx"),
         (
             dict(x=on(2, x.clone().requires_grad_(), x)),
             r"x.requires_grad differs between ranks \(\[False, False, True",

@@ -46,7 +46,7 @@ def test_static_drop_rule_matches_model(case, exchange):
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-@pytest.mark.parametrize("exchange", ["mxfp8", "bf16"])
+@pytest.mark.parametrize("exchange", ["mxfp8", "bf16", "mxfp8_to_experts"])
 def test_static_layer_matches_synced_layer(exchange, compiled):
     run_distributed(static_layer_matches_synced, 2, "gloo", _seed(), exchange, compiled,
                     timeout=600)  # fmt: skip

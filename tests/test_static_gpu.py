@@ -79,13 +79,13 @@ def compiled_layer_matches_eager(rank, world, exchange):
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8_rowwise"])
-@pytest.mark.parametrize("exchange", ["mxfp8", "bf16"])
+@pytest.mark.parametrize("exchange", ["mxfp8", "bf16", "mxfp8_to_experts"])
 def test_layer_graph_replays_equal_eager(exchange, precision):
     assert run_distributed(graph_replays_equal_eager, 1, exchange, precision, 100,
                            backend="nccl", timeout=600) == [True]  # fmt: skip
 
 
-@pytest.mark.parametrize("exchange", ["mxfp8", "bf16"])
+@pytest.mark.parametrize("exchange", ["mxfp8", "bf16", "mxfp8_to_experts"])
 def test_layer_compiles_fullgraph(exchange):
     assert run_distributed(compiled_layer_matches_eager, 1, exchange, backend="nccl",
                            timeout=600) == [True]  # fmt: skip

@@ -190,7 +190,7 @@ def test_compiled_fullgraph():
                     outs[r])  # fmt: skip
 
 
-@pytest.mark.parametrize("exchange", ["mxfp8", "bf16"])
+@pytest.mark.parametrize("exchange", ["mxfp8", "bf16", "mxfp8_to_experts"])
 def test_one_rank_equals_nccl_path(exchange):
     """One rank: the push path (real symmetric memory on a GPU, an emulated buffer on the
     CPU) against the NCCL (gloo) path, bit for bit, forward and backward."""
@@ -243,10 +243,10 @@ def test_encoders_store_where_all_to_all_puts_rows(device, wire):
                 kept = sk.scatter_encode(xs[s], torch.arange(t * k, device=device).view(t, k),
                                          t * k, wire, "rceil")  # fmt: skip
                 skb.slot_sum_decode_backward_into(xs[s], kept, plans[s], wts[s], table, shape[1],
-                                                  cap, wire, "rceil", True, True)  # fmt: skip
+                                                  cap, wire, "rceil", True, True, wire)  # fmt: skip
                 full = sk.scatter_encode(xs[s], plans[s], w * cap, wire, "rceil")
                 want, _ = skb.slot_sum_decode_backward(xs[s], full, plans[s], wts[s], w * cap,
-                                                       wire, "rceil")  # fmt: skip
+                                                       wire, "rceil", wire)  # fmt: skip
                 sent.append((want, plans[s]))
         for d, b in enumerate(bufs):
             got = b.received("rows", w * cap, shape[1], dt)

@@ -167,6 +167,30 @@ def test_backward_matches_reference(device, dtype, wire, shape):
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("wires", [("mxfp8", "bf16"), ("bf16", "mxfp8")], ids=str)
+@pytest.mark.parametrize("shape", [(7, 3, 96), (5, 1, 32), (0, 3, 64)])
+def test_backward_on_another_wire_than_the_forward(device, dtype, wires, shape):
+    """Combine's backward with its own wire (``wire``) and the forward's rows on the other
+    (``buf_wire``, a per-leg preset such as "mxfp8_to_experts"): the rows bit for bit, grad_w
+    within fp32 rounding, as with one wire."""
+    (wire, buf_wire), (t, k, h) = wires, shape
+    g = fresh_generator()
+    grad, buf, rows_of, w, n_rows = _backward_case(t, k, h, dtype, buf_wire, device, g, False)
+    targeted = rows_of[rows_of >= 0]
+    got, gw = sr.slot_sum_decode_backward(grad, buf, rows_of, w, n_rows, wire, "rceil", buf_wire)
+    want, gw_ref = sr.slot_sum_decode_backward_reference(
+        grad, buf, rows_of, w, n_rows, wire, "rceil", buf_wire
+    )
+    same(got[targeted], want[targeted], f"grad rows, seed {g.initial_seed()}")
+    rows = sr.gather_decode_reference(buf, rows_of.reshape(-1), h, dtype, buf_wire)
+    prods = grad.double()[:, None, :] * rows.double().view(t, k, h)
+    tol = h * 2**-24 * prods.abs().sum(-1)
+    assert ((gw.double() - gw_ref.double()).abs() <= 2 * tol).all()
+    assert not gw[rows_of < 0].any()
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("tiles", [((0, 2048, False),), ((0, 4096, True),)], ids=str)
 @pytest.mark.parametrize("wire", WIRES)
 def test_backward_tiles_and_prefetch(device, tiles, wire, monkeypatch):
@@ -254,7 +278,7 @@ def test_ops_pass_opcheck(device, wire):
         (sr.gather_decode_op, (buf, idx, h, torch.float32, wire)),
         (sr.slot_sum_decode_op, (buf, rows_of, w, h, torch.bfloat16, wire)),
         (sr.slot_sum_decode_op, (buf, rows_of, None, h, torch.bfloat16, wire)),
-        (skb.slot_sum_decode_backward_op, (x, buf, rows_of, w, t * k, wire, "rceil")),
+        (skb.slot_sum_decode_backward_op, (x, buf, rows_of, w, t * k, wire, "rceil", wire)),
     ):
         torch.library.opcheck(op, args)
 

@@ -6,8 +6,12 @@ from .nccl import NcclTransport
 from .push import PushBuffer, static_transport
 from .push_rule import push_unavailable
 from .transport import Transport
+from .wires import EXCHANGES, WIRE_PRESETS, Wires
 
 __all__ = [
+    "EXCHANGES",
+    "WIRE_PRESETS",
+    "Wires",
     "CopyEngineTransport",
     "NcclTransport",
     "PushBuffer",

@@ -1,11 +1,13 @@
 """The MXFP8 all-to-all: the public function and its autograd Function.
 
-Layers: the transport's ``exchange`` (nccl.py, copy_engine.py) -> ``_MXFP8AllToAll``
-(autograd: the backward is the same exchange with the splits swapped) ->
-``to_mxfp8_a2a_dequant`` (checks in checks.py, then the Function). Under torch.compile the
-exchange is traced as quantize_packed -> functional all_to_all_single -> dequantize_packed
-(same results; the kept rows then go over the wire too), where torch has the functional
-collectives (plain.HAS_FUNCOL; else the eager transport runs, a graph break).
+Layers: the transport's ``exchange`` (nccl.py, copy_engine.py) -> ``_LegsAllToAll``
+(autograd: the backward is the same exchange with the splits swapped, on its own wire,
+MXFP8 or the rows unquantized) -> ``to_mxfp8_a2a_dequant`` (checks in checks.py, then the
+Function); ``exchange_legs`` is the Function's entry for dispatch and combine. Under
+torch.compile the MXFP8 exchange is traced as quantize_packed -> functional
+all_to_all_single -> dequantize_packed (same results; the kept rows then go over the wire
+too), where torch has the functional collectives (plain.HAS_FUNCOL; else the eager
+transport runs, a graph break).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from . import agreement, checks
 from .checks import Splits
 from .nccl import NcclTransport
 from .plain import HAS_FUNCOL, funcol
+from .plain import exchange as plain_exchange
 from .rows import wire_row
 from .transport import Transport, resolve
 
@@ -79,24 +82,55 @@ def _exchange(x, output_splits, input_splits, group, scaling_mode, transport: Tr
     return dequantize_packed(funcol.wait_tensor(recv)[:, :row], out_dtype=x.dtype)
 
 
-def _apply(x, output_splits, input_splits, group, scaling_mode, transport) -> torch.Tensor:
-    """The exchange, through the autograd Function only when a graph is recorded."""
-    if torch.is_grad_enabled() and x.requires_grad:
-        return _MXFP8AllToAll.apply(x, output_splits, input_splits, group, scaling_mode, transport)
-    return _exchange(x, output_splits, input_splits, group, scaling_mode, transport)
+def _plain(x, output_splits, input_splits, group) -> torch.Tensor:
+    """all_to_all_single of x's rows in their own dtype (a traced functional collective under
+    torch.compile, where torch has it)."""
+    if torch.compiler.is_compiling() and HAS_FUNCOL:
+        out = funcol.all_to_all_single(
+            x.contiguous(), output_splits, input_splits, group or dist.group.WORLD
+        )
+        return funcol.wait_tensor(out)
+    return plain_exchange(x, output_splits, input_splits, group)
 
 
-class _MXFP8AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, output_splits, input_splits, group, scaling_mode, transport):
-        ctx.args = (input_splits, output_splits, group, scaling_mode, transport)
+def _leg(x, output_splits, input_splits, group, scaling_mode, transport, wire) -> torch.Tensor:
+    if wire == "mxfp8":
         return _exchange(x, output_splits, input_splits, group, scaling_mode, transport)
+    return _plain(x, output_splits, input_splits, group)
+
+
+def exchange_legs(
+    x: torch.Tensor,
+    output_splits: list[int],
+    input_splits: list[int],
+    group: dist.ProcessGroup | None,
+    scaling_mode: str,
+    transport: Transport,
+    forward: str,
+    backward: str,
+) -> torch.Tensor:
+    """The exchange of x's rows with its own wire each way (no checks: callers check): the
+    forward sends ``forward`` rows ("mxfp8": quantize_packed's bits over ``transport``;
+    "bf16": the rows in x's dtype), the backward sends the gradient as ``backward`` rows,
+    with the splits swapped. Through the autograd Function only when a graph is recorded."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _LegsAllToAll.apply(
+            x, output_splits, input_splits, group, scaling_mode, transport, forward, backward
+        )
+    return _leg(x, output_splits, input_splits, group, scaling_mode, transport, forward)
+
+
+class _LegsAllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, output_splits, input_splits, group, scaling_mode, transport, fwd, bwd):
+        ctx.args = (input_splits, output_splits, group, scaling_mode, transport, bwd, fwd)
+        return _leg(x, output_splits, input_splits, group, scaling_mode, transport, fwd)
 
     @staticmethod
     def backward(ctx, grad):
         # the exchange is linear: its backward is the swapped exchange, itself differentiable
         # (under create_graph=True the gradient carries a graph, as all_to_all_single's does)
-        return _apply(grad.contiguous(), *ctx.args), None, None, None, None, None
+        return exchange_legs(grad.contiguous(), *ctx.args), None, None, None, None, None, None, None
 
 
 def to_mxfp8_a2a_dequant(
@@ -108,6 +142,7 @@ def to_mxfp8_a2a_dequant(
     scaling_mode: str = "rceil",
     validate: bool = False,
     transport: str | Transport = "nccl",
+    backward: str = "mxfp8",
 ) -> torch.Tensor:
     """All-to-all of ``x``'s rows sent as MXFP8 and dequantized on arrival; differentiable.
 
@@ -138,11 +173,15 @@ def to_mxfp8_a2a_dequant(
             object, e.g. :class:`mxfp8_a2a.CopyEngineTransport` (two ranks on GPUs with
             peer access; faster for large exchanges on NVLink). Every rank must pass the
             same kind.
+        backward: the wire of the backward exchange: "mxfp8" (default) or "bf16" (the
+            gradient's rows unquantized, in their own dtype: torchao's ``*_fwd_hp_bwd``
+            split). Every rank must pass the same.
     Returns:
         [sum(output_splits), K] in x's dtype, rows in source-rank order. Each row equals
         dequantize(quantize(row sent)) bit for bit; a block holding NaN arrives as NaN, a
         block holding inf keeps +-448 * 2^127 (inf) there and loses its small values.
-    Backward: the gradient is quantized, exchanged with the splits swapped, dequantized.
+    Backward: the gradient is quantized, exchanged with the splits swapped, dequantized (with
+    ``backward="bf16"``: exchanged as it is).
 
     Without ``validate`` nothing is compared across ranks (no extra collective, no host
     sync). A bad argument raises on its own rank before any collective; the other ranks
@@ -184,6 +223,8 @@ def to_mxfp8_a2a_dequant(
         chosen = resolve(transport)
         k = check_float_input(x)
         check_scaling_mode(scaling_mode)
+        if backward not in ("mxfp8", "bf16"):
+            raise ValueError(f"backward must be 'mxfp8' or 'bf16', got {backward!r}")
         if x.dim() != 2:
             raise ValueError(f"x must be 2-D [tokens, K], got shape {tuple(x.shape)}; flatten it")
         chosen.check(x.device, group)
@@ -203,7 +244,7 @@ def to_mxfp8_a2a_dequant(
         in_splits = checks.splits_list(input_splits, "input_splits", x.device)
         checks.check_splits(x.shape[0], out_splits, in_splits, world, rank)
         if validating:
-            terms = checks.exchange_terms(k, x, scaling_mode, chosen)
+            terms = checks.exchange_terms(k, x, scaling_mode, chosen, backward)
     except Exception as e:  # any local error: with validate, every rank learns of it
         error = e
     if validating and compiling and isinstance(x, torch.Tensor):
@@ -215,4 +256,4 @@ def to_mxfp8_a2a_dequant(
         checks.check_all_ranks(error, out_splits, in_splits, group, world, terms)
     if error is not None:
         raise error
-    return _apply(x, out_splits, in_splits, group, scaling_mode, chosen)
+    return exchange_legs(x, out_splits, in_splits, group, scaling_mode, chosen, "mxfp8", backward)

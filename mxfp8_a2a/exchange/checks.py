@@ -154,12 +154,15 @@ def transport_terms(transport: Transport) -> dict[str, object]:
     return {"transport": f"{cls.__module__}.{cls.__qualname__}", "transport setting": setting}
 
 
-def exchange_terms(k: int, x: torch.Tensor, scaling_mode: str, transport: Transport) -> str:
+def exchange_terms(
+    k: int, x: torch.Tensor, scaling_mode: str, transport: Transport, backward: str = "mxfp8"
+) -> str:
     """What the exchange's byte counts (and whether a backward exchange follows) depend on,
-    as agreement.py's terms text: K, dtype, scaling mode, transport, whether x records a
-    graph."""
+    as agreement.py's terms text: K, dtype, scaling mode, transport, the backward's wire,
+    whether x records a graph."""
     grad = torch.is_grad_enabled() and x.requires_grad
     terms = {"x.shape[1]": k, "x.dtype": x.dtype, "scaling_mode": scaling_mode}
+    terms["backward"] = backward
     return agreement.terms_text(terms | transport_terms(transport) | {"x.requires_grad": grad})
 
 

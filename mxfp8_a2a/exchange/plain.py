@@ -49,10 +49,11 @@ def _eager_apply(x, output_splits, input_splits, group) -> torch.Tensor:
 def _apply(x, output_splits, input_splits, group) -> torch.Tensor:
     if torch.is_grad_enabled() and x.requires_grad:
         return _AllToAll.apply(x, output_splits, input_splits, group)
-    return _exchange(x, output_splits, input_splits, group)
+    return exchange(x, output_splits, input_splits, group)
 
 
-def _exchange(x, output_splits, input_splits, group) -> torch.Tensor:
+def exchange(x, output_splits, input_splits, group) -> torch.Tensor:
+    """all_to_all_single of x's rows in their own dtype, eagerly (not differentiable)."""
     x = x.contiguous()
     out = x.new_empty((sum(output_splits), *x.shape[1:]))
     dist.all_to_all_single(out, x, list(output_splits), list(input_splits), group=group)
@@ -63,7 +64,7 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, output_splits, input_splits, group):
         ctx.args = (input_splits, output_splits, group)
-        return _exchange(x, output_splits, input_splits, group)
+        return exchange(x, output_splits, input_splits, group)
 
     @staticmethod
     def backward(ctx, grad):

@@ -52,6 +52,7 @@ from .. import _config
 from .._common import next_pow2
 from .push_rule import _device, _gather, _symm_mem, _this_rank, _verdict, push_unavailable
 from .rows import wire_row
+from .wires import layer_wires, leg_pair
 
 _ALIGN = 256  # byte alignment of each region of a buffer
 _NEVER = 2**62  # spin_limit None
@@ -122,6 +123,15 @@ def static_transport(
     return "nccl"
 
 
+def _wires(exchange) -> set[str]:
+    """The wires of an ``exchange`` (a wire, a layer preset, Wires or a pair), or ValueError."""
+    if exchange in ("mxfp8", "bf16"):
+        return {exchange}
+    if isinstance(exchange, tuple) and len(exchange) == 2:
+        return set(leg_pair(exchange, "dispatch"))
+    return set(layer_wires(exchange))
+
+
 class PushBuffer:
     """The receive buffers of the static dispatch's push transport, one per rank, owned by
     the caller (:meth:`free` releases them).
@@ -134,8 +144,9 @@ class PushBuffer:
         capacity: rows per rank pair the buffers hold (dispatch_static's capacity may be
             lower); None: the dropless value ``tokens * min(top_k, E / W)`` (needs
             ``tokens``, the most tokens a rank dispatches, and ``top_k``).
-        exchange: "mxfp8" (wire rows of wire_row(H) bytes) or "bf16" (rows of H values of
-            ``dtype``).
+        exchange: the legs it carries: "mxfp8" (wire rows of wire_row(H) bytes), "bf16"
+            (rows of H values of ``dtype``) or any other layer ``exchange`` (a preset such as
+            "mxfp8_to_experts", a Wires, a (forward, backward) pair): rows of its widest leg.
         spin_limit: iterations a barrier waits for a peer before it gives up (None: never;
             tests bound it).
     Memory per rank (``nbytes``): W * capacity rows of wire_row(H) = 33 H / 32 bytes
@@ -222,8 +233,7 @@ class PushBuffer:
         if num_experts % world:
             raise ValueError(f"num_experts ({num_experts}) must be a multiple of the group "
                              f"size ({world})")  # fmt: skip
-        if exchange not in ("mxfp8", "bf16"):
-            raise ValueError(f"exchange must be 'mxfp8' or 'bf16', got {exchange!r}")
+        wires = _wires(exchange)
         local = num_experts // world
         if capacity is None:
             if type(tokens) is not int or type(top_k) is not int or tokens < 0 or top_k < 0:
@@ -236,7 +246,9 @@ class PushBuffer:
             raise ValueError(f"capacity must be an int >= 0 or None, got {capacity!r}")
         self.world, self.hidden, self.num_experts = world, hidden, num_experts
         self.capacity, self.exchange = capacity, exchange
-        self.row_bytes = wire_row(hidden) if exchange == "mxfp8" else hidden * dtype.itemsize
+        # rows of the widest leg: MXFP8 rows of wire_row(H) bytes, unquantized of H values
+        self.row_bytes = max(wire_row(hidden) if w == "mxfp8" else hidden * dtype.itemsize
+                             for w in wires)  # fmt: skip
         self.count_columns = counts_columns(local)
         self._counts_at = _round_up(8 * (world + 1))  # W pads, then the error flag
         self._rows_at = self._counts_at + _round_up(8 * world * self.count_columns)

@@ -32,14 +32,13 @@ import torch.nn.functional as F
 
 from .. import _config
 from ..exchange import agreement
-from ..exchange.api import to_mxfp8_a2a_dequant
+from ..exchange.api import exchange_legs, to_mxfp8_a2a_dequant
 from ..exchange.checks import comm_device, device_error, group_rank_and_size, transport_terms
 from ..exchange.plain import all_to_all_rows
 from ..exchange.transport import Transport, resolve
+from ..exchange.wires import Wires, check_leg_pair, combine_default, leg_pair
 from .permute import take_rows
 from .slot_sum import slot_sum
-
-EXCHANGES = ("mxfp8", "bf16")
 
 
 def exchange_rows(
@@ -47,16 +46,21 @@ def exchange_rows(
     output_splits: list[int],
     input_splits: list[int],
     group: dist.ProcessGroup | None,
-    exchange: str,
+    wires: tuple[str, str],
     transport: str | Transport = "nccl",
 ) -> torch.Tensor:
-    """Differentiable all-to-all of x's rows: "mxfp8" (:func:`to_mxfp8_a2a_dequant` over
-    ``transport``) or "bf16" (a plain all_to_all_single of x in its own dtype)."""
-    if exchange == "mxfp8":
-        return to_mxfp8_a2a_dequant(x, output_splits, input_splits, group, transport=transport)
-    if exchange == "bf16":
+    """Differentiable all-to-all of x's rows, ``wires`` = (forward, backward): each "mxfp8"
+    (:func:`to_mxfp8_a2a_dequant`'s bits over ``transport``) or "bf16" (x's rows as they
+    are, in their own dtype)."""
+    forward, backward = wires
+    if forward == "mxfp8":
+        return to_mxfp8_a2a_dequant(
+            x, output_splits, input_splits, group, transport=transport, backward=backward
+        )
+    if backward == "bf16":
         return all_to_all_rows(x, output_splits, input_splits, group)
-    raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
+    chosen = resolve(transport)
+    return exchange_legs(x, output_splits, input_splits, group, "rceil", chosen, "bf16", "mxfp8")
 
 
 @dataclass
@@ -68,8 +72,8 @@ class DispatchHandle:
     (expert, source rank); inverse_regroup: its inverse. input_splits / output_splits: rows
     sent to / received from each rank. expert_offsets: int32 [L], end offset of each local
     expert's rows in dispatch's output (what grouped GEMMs take). top_k, num_tokens, hidden:
-    for the final sum. exchange, transport: how the rows move. dispatch_id: which dispatch
-    (see :func:`mark_output`).
+    for the final sum. exchange: combine's default (forward, backward) wires; transport: how
+    MXFP8 rows move. dispatch_id: which dispatch (see :func:`mark_output`).
     """
 
     order: torch.Tensor
@@ -83,7 +87,7 @@ class DispatchHandle:
     num_tokens: int
     hidden: int
     group: dist.ProcessGroup | None
-    exchange: str
+    exchange: tuple[str, str]
     transport: str | Transport = "nccl"
     dispatch_id: int = 0
 
@@ -126,8 +130,8 @@ def _inverse(perm: torch.Tensor) -> torch.Tensor:
 
 def _local_error(x, topk_ids, num_experts, world, exchange, group) -> str | None:
     """What is wrong with this rank's arguments (shapes and types only, no data read)."""
-    if exchange not in EXCHANGES:
-        return f"exchange must be one of {EXCHANGES}, got {exchange!r}"
+    if (problem := check_leg_pair(exchange)) is not None:
+        return problem
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         return f"x must be a 2-D [tokens, hidden] tensor, got {getattr(x, 'shape', type(x))}"
     if (problem := device_error(x.device, group)) is not None:
@@ -143,19 +147,24 @@ def _local_error(x, topk_ids, num_experts, world, exchange, group) -> str | None
         return f"topk_ids ({topk_ids.device}) must be on x's device ({x.device})"
     if type(num_experts) is not int or num_experts < 1 or num_experts % world:
         return f"num_experts ({num_experts!r}) must be a positive multiple of the group size"
-    if exchange == "mxfp8" and x.dtype not in (torch.bfloat16, torch.float32):
-        return f"x must be bfloat16 or float32 for exchange='mxfp8', got {x.dtype}"
-    if exchange == "mxfp8" and x.shape[1] % 32:
-        return f"x.shape[1] (hidden={x.shape[1]}) must be a multiple of 32 for exchange='mxfp8'"
+    mxfp8 = "mxfp8" in leg_pair(exchange, "dispatch")
+    if mxfp8 and x.dtype not in (torch.bfloat16, torch.float32):
+        return f"x must be bfloat16 or float32 for an MXFP8 wire ({exchange!r}), got {x.dtype}"
+    if mxfp8 and x.shape[1] % 32:
+        return (
+            f"x.shape[1] (hidden={x.shape[1]}) must be a multiple of 32 for an MXFP8 wire "
+            f"({exchange!r}); pad it or use exchange='bf16'"
+        )
     return None
 
 
-def _terms(x: torch.Tensor, num_experts: int, exchange: str, transport: Transport) -> str:
+def _terms(x: torch.Tensor, num_experts: int, exchange, transport: Transport) -> str:
     """What the counts and the exchanges depend on (agreement.py's terms text)."""
     grad = torch.is_grad_enabled() and x.requires_grad
     terms = {"num_experts": num_experts, "x.shape[1]": x.shape[1], "x.dtype": x.dtype}
-    terms["exchange"] = exchange
-    if exchange == "mxfp8":  # "bf16" takes no transport
+    wires = leg_pair(exchange, "dispatch")
+    terms["exchange"] = "/".join(wires)  # forward/backward
+    if "mxfp8" in wires:  # unquantized rows take no transport
         terms |= transport_terms(transport)
     return agreement.terms_text(terms | {"x.requires_grad": grad})
 
@@ -166,7 +175,7 @@ def dispatch(
     num_experts: int,
     group: dist.ProcessGroup | None = None,
     *,
-    exchange: str = "mxfp8",
+    exchange: str | tuple[str, str] | Wires = "mxfp8",
     transport: str | Transport = "nccl",
 ) -> tuple[torch.Tensor, list[int], DispatchHandle]:
     """Send each token to the ranks of its top-k experts.
@@ -175,7 +184,10 @@ def dispatch(
         x: [T, H] bf16 or fp32 tokens (H % 32 == 0 for "mxfp8"); T may be 0.
         topk_ids: [T, k] integer expert ids in [0, num_experts); k may be 0.
         num_experts: total experts, a multiple of the group size.
-        exchange: "mxfp8" or "bf16" (plain all-to-all in x's dtype).
+        exchange: the wires of the rows (forward) and of their gradient (backward): a preset
+            ("mxfp8", "bf16": a plain all-to-all in x's dtype, "mxfp8_to_experts": MXFP8
+            forward, bf16 backward; see :mod:`mxfp8_a2a.exchange.wires`), a Wires (its dispatch
+            legs) or a (forward, backward) pair of "mxfp8" / "bf16".
         transport: of the MXFP8 exchanges, "nccl" (default) or a Transport object (see
             :func:`mxfp8_a2a.to_mxfp8_a2a_dequant`).
     Returns:
@@ -213,7 +225,7 @@ def dispatch_reporting(
         problem = problem or _local_error(x, topk_ids, num_experts, world, exchange, group)
         if problem is not None:
             raise ValueError(problem)
-        if exchange == "mxfp8":
+        if "mxfp8" in leg_pair(exchange, "dispatch"):
             chosen.check(x.device, group)
         terms = _terms(x, num_experts, exchange, chosen)
     except Exception as e:  # every rank learns of it through the counts all-to-all
@@ -272,13 +284,13 @@ def dispatch_reporting(
     inverse_order, inverse_regroup = _inverse(order), _inverse(regroup)
     rows = exchange_rows(
         take_rows(x, order // max(k, 1), inverse_order, k), output_splits, input_splits,
-        group, exchange, chosen,
+        group, leg_pair(exchange, "dispatch"), chosen,
     )  # fmt: skip
     offsets = recv_counts.sum(0).cumsum(0).to(device=x.device, dtype=torch.int32)
     out = take_rows(rows, regroup, inverse_regroup)
     handle = DispatchHandle(
         order, inverse_order, regroup, inverse_regroup, input_splits, output_splits,
-        offsets, k, t, x.shape[1], group, exchange, chosen, mark_output(out),
+        offsets, k, t, x.shape[1], group, combine_default(exchange), chosen, mark_output(out),
     )  # fmt: skip
     return out, per_expert, handle
 
@@ -321,8 +333,8 @@ def _check_combine(expert_y, topk_weights, handle: DispatchHandle, exchange) -> 
             f"topk_weights must be a floating tensor on {expert_y.device}, got "
             f"{topk_weights.dtype} on {topk_weights.device}"
         )
-    if exchange is not None and exchange not in EXCHANGES:
-        raise ValueError(f"exchange must be None or one of {EXCHANGES}, got {exchange!r}")
+    if exchange is not None and (problem := check_leg_pair(exchange)) is not None:
+        raise ValueError(problem)
     check_owner(expert_y, handle.dispatch_id, "dispatch")
 
 
@@ -331,7 +343,7 @@ def combine(
     topk_weights: torch.Tensor,
     handle: DispatchHandle,
     *,
-    exchange: str | None = None,
+    exchange: str | tuple[str, str] | Wires | None = None,
 ) -> torch.Tensor:
     """Send expert outputs back and sum them with the router weights.
 
@@ -339,8 +351,10 @@ def combine(
         expert_y: [N, H] outputs in the order :func:`dispatch` returned the rows.
         topk_weights: [T, k] router weights of each token's experts.
         handle: from the matching dispatch.
-        exchange: "mxfp8" or "bf16"; default: the dispatch's (every rank must pass the
-            same).
+        exchange: the wires of the outputs (forward) and of their gradient (backward): a
+            preset (its combine legs), a Wires or a (forward, backward) pair; default: the
+            dispatch's preset's combine legs (for a dispatch pair (f, b): (b, f), each
+            direction on its own wire). Every rank must pass the same.
     Returns:
         [T, H] in expert_y's dtype: out[t] = sum_j topk_weights[t, j] * y(t, expert j).
     Every rank of the group must call combine after its dispatch (it is a collective). A
@@ -354,8 +368,8 @@ def combine(
     """
     _check_combine(expert_y, topk_weights, handle, exchange)
     y = take_rows(expert_y, handle.inverse_regroup, handle.regroup)
+    wires = handle.exchange if exchange is None else leg_pair(exchange, "combine")
     back = exchange_rows(
-        y, handle.input_splits, handle.output_splits, handle.group,
-        exchange or handle.exchange, handle.transport,
-    )  # fmt: skip
+        y, handle.input_splits, handle.output_splits, handle.group, wires, handle.transport
+    )
     return slot_sum(back, handle.inverse_order.view(handle.num_tokens, handle.top_k), topk_weights)

@@ -18,8 +18,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..exchange.push import PushBuffer, static_transport
 from ..exchange.transport import Transport
+from ..exchange.wires import Wires, layer_wires
 from ..grouped.gemm import PRECISIONS
-from .dispatch import EXCHANGES, combine, dispatch, dispatch_reporting
+from .dispatch import combine, dispatch, dispatch_reporting
 from .experts import GroupedExperts, draw_expert
 from .static_dispatch import STAT_NAMES, capacity_for, combine_static, dispatch_static
 
@@ -52,7 +53,11 @@ class ExpertParallelMoE(torch.nn.Module):
     :func:`mxfp8_a2a.moe.load_full_state_dict` move a checkpoint between group sizes.
 
     Forward: x [..., hidden] -> the same shape (leading dimensions flattened into tokens).
-    ``exchange`` picks "mxfp8" or "bf16" for dispatch and combine, ``transport`` how the
+    ``exchange`` picks the wire of each leg of dispatch and combine (forward and backward):
+    "mxfp8" (every leg MXFP8), "mxfp8_to_experts" (MXFP8 only toward the experts: dispatch
+    forward and combine backward; bf16 back to the tokens), "bf16" (every leg unquantized,
+    in the activations' dtype: fp32 activations travel as fp32), or a :class:`Wires` of four
+    legs; wire bytes per preset in :mod:`mxfp8_a2a.exchange.wires`. ``transport`` how the
     MXFP8 exchanges move rows ("nccl" or a Transport object, see :func:`dispatch`; for the
     static dispatch "nccl", a :class:`mxfp8_a2a.PushBuffer` or "auto": with ``capacity``
     given, a PushBuffer of that capacity where :func:`mxfp8_a2a.static_transport`'s rule
@@ -83,7 +88,7 @@ class ExpertParallelMoE(torch.nn.Module):
         top_k: int,
         group: dist.ProcessGroup | DeviceMesh | None = None,
         *,
-        exchange: str = "mxfp8",
+        exchange: str | Wires = "mxfp8",
         transport: str | Transport | PushBuffer = "nccl",
         precision: str = "bf16",
         seed: int = 0,
@@ -104,8 +109,12 @@ class ExpertParallelMoE(torch.nn.Module):
         for name, value in (("hidden", hidden), ("ffn", ffn), ("num_experts", num_experts)):
             if type(value) is not int or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if exchange not in EXCHANGES:
-            raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
+        wires = layer_wires(exchange)  # (a ValueError naming the presets)
+        if wires.uses_mxfp8 and hidden % 32:
+            raise ValueError(
+                f"hidden ({hidden}) must be a multiple of 32 for an MXFP8 leg (exchange="
+                f"{exchange!r}: one scale per 32 values); pad it or use exchange='bf16'"
+            )
         if type(top_k) is not int or not 0 <= top_k <= num_experts:
             raise ValueError(
                 f"top_k must be an int in [0, num_experts={num_experts}], got {top_k!r}"
@@ -145,7 +154,7 @@ class ExpertParallelMoE(torch.nn.Module):
         self.capacity_factor, self.capacity, self.align = capacity_factor, capacity, align
         self.register_buffer("dispatch_stats", torch.zeros(len(STAT_NAMES), dtype=torch.int64,
                              device=device), persistent=False)  # fmt: skip
-        self.exchange, self.transport = exchange, transport
+        self.exchange, self.wires, self.transport = exchange, wires, transport
         router = torch.empty(hidden, num_experts, device=device, dtype=dtype or torch.float32)
         if router.device.type != "meta":
             router.copy_(draw_router(hidden, num_experts, seed))
@@ -185,13 +194,13 @@ class ExpertParallelMoE(torch.nn.Module):
             raise ValueError(problem)
         if problem is not None:  # no routing: dispatch tells every rank, then raises
             dispatch_reporting(
-                x, None, self.num_experts, self.group, self.exchange, self.transport, problem
+                x, None, self.num_experts, self.group, self.wires, self.transport, problem
             )
         weights, ids = route(x @ self.router.to(x.dtype), self.top_k)
         if self.static:
             return self._forward_static(x, weights, ids)
         ex, _, handle = dispatch(
-            x, ids, self.num_experts, self.group, exchange=self.exchange, transport=self.transport
+            x, ids, self.num_experts, self.group, exchange=self.wires, transport=self.transport
         )
         return combine(self.experts(ex, handle.expert_offsets), weights, handle)
 
@@ -201,7 +210,7 @@ class ExpertParallelMoE(torch.nn.Module):
         if cap is None:
             cap = capacity_for(x.shape[0], self.top_k, world, self.capacity_factor)
         ex, offs, handle = dispatch_static(x, ids, self.num_experts, cap, self.group,
-                                           exchange=self.exchange, align=self.align,
+                                           exchange=self.wires, align=self.align,
                                            transport=self.transport)  # fmt: skip
         with torch.no_grad():  # dropped and bad ids add up, the other two are maxima
             s, new = self.dispatch_stats, handle.stats
@@ -256,7 +265,7 @@ def _check_fp8_casts(layer: ExpertParallelMoE, args: tuple) -> None:
         raise ValueError(problem)
     x = args[0] if args else None
     dispatch_reporting(
-        x, None, layer.num_experts, layer.group, layer.exchange, layer.transport, problem
+        x, None, layer.num_experts, layer.group, layer.wires, layer.transport, problem
     )
 
 

@@ -52,6 +52,7 @@ from ..exchange.agreement import _all_gather as all_gather
 from ..exchange.checks import group_rank_and_size
 from ..exchange.plain import HAS_FUNCOL, funcol
 from ..exchange.push import PushBuffer, counts_columns
+from ..exchange.wires import Wires, combine_default, leg_pair
 from . import static_push as sp
 from . import static_rows as rows_ops
 from .dispatch import _local_error, check_owner, mark_output
@@ -81,6 +82,7 @@ class StaticHandle:
     stats: int64 [4] of this rank: rows dropped, the capacity that would have kept every row
     (the most rows it routed to one rank), ids outside [0, num_experts), and this rank's
     num_experts if some rank's differed, else 0 (STAT_NAMES).
+    exchange: combine_static's default (forward, backward) wires.
     dispatch_id: which dispatch (dispatch.mark_output; combine_static checks expert_y).
     push: the PushBuffer the rows travel through, None for NCCL/gloo.
     """
@@ -94,7 +96,7 @@ class StaticHandle:
     hidden: int
     dtype: torch.dtype
     group: dist.ProcessGroup | None
-    exchange: str
+    exchange: tuple[str, str]
     scaling_mode: str
     dispatch_id: int = 0
     push: PushBuffer | None = None
@@ -115,9 +117,10 @@ def _all_to_all(t: torch.Tensor, group) -> torch.Tensor:
 
 class _Dispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, rows_of, src_row, out_row, cap, world, group, push, wire, mode):
+    def forward(ctx, x, rows_of, src_row, out_row, cap, world, group, push, wires, mode):
         ctx.save_for_backward(rows_of, out_row)
-        ctx.args = (x.shape[1], x.dtype, cap, group, push, wire, mode)
+        wire = wires[0]
+        ctx.args = (x.shape[1], x.dtype, cap, group, push, wires[1], mode)
         if push is not None:
             return sp.push_dispatch_op(x, rows_of, src_row, push.key, cap, wire, mode)
         buf = rows_ops.scatter_encode(x, rows_of, world * cap, wire, mode)
@@ -140,8 +143,9 @@ class _Dispatch(torch.autograd.Function):
 
 class _Combine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y, weights, rows_of, src_row, out_row, cap, group, push, wire, mode):
-        ctx.args = (y.shape[1], y.dtype, cap, group, push, wire, mode)
+    def forward(ctx, y, weights, rows_of, src_row, out_row, cap, group, push, wires, mode):
+        wire = wires[0]
+        ctx.args = (y.shape[1], y.dtype, cap, group, push, wires, mode)
         if push is not None:  # (keeps the slots' rows for the backward: the buffer is reused)
             out, back = sp.push_combine_op(y.contiguous(), out_row, rows_of, weights, push.key, cap,
                                            wire, mode, any(ctx.needs_input_grad[:2]))  # fmt: skip
@@ -154,14 +158,15 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         back, rows_of, src_row, weights = ctx.saved_tensors
-        hidden, dtype, cap, group, push, wire, mode = ctx.args
+        hidden, dtype, cap, group, push, (kept, wire), mode = ctx.args
         if push is not None:
             grad_y, grad_w = sp.push_combine_backward_op(
-                grad.contiguous(), back, rows_of, weights, src_row, push.key, cap, wire, mode
-            )
-        else:
+                grad.contiguous(), back, rows_of, weights, src_row, push.key, cap, kept, wire,
+                mode,
+            )  # fmt: skip
+        else:  # (``back`` holds the forward's ``kept`` rows; the gradient goes as ``wire``)
             grad_buf, grad_w = rows_ops.slot_sum_decode_backward(
-                grad.contiguous(), back, rows_of, weights, back.shape[0], wire, mode
+                grad.contiguous(), back, rows_of, weights, back.shape[0], wire, mode, kept
             )
             grad_y = rows_ops.gather_decode(
                 _all_to_all(grad_buf, group), src_row, hidden, dtype, wire
@@ -219,7 +224,7 @@ def dispatch_static(
     capacity: int,
     group: dist.ProcessGroup | None = None,
     *,
-    exchange: str = "mxfp8",
+    exchange: str | tuple[str, str] | Wires = "mxfp8",
     align: int = 16,
     scaling_mode: str = "rceil",
     transport: str | PushBuffer = "nccl",
@@ -236,8 +241,11 @@ def dispatch_static(
             wire buffers of W * capacity rows (the send and receive buffers; wire rows are
             1.03 * H bytes for "mxfp8", 2 * H for "bf16" with bf16 x) and the
             static_rows(...) x H output, each way.
-        exchange: "mxfp8" (rows quantized once per token, dequantized on arrival) or "bf16"
-            (rows in x's dtype).
+        exchange: the wires of the rows (forward) and of their gradient (backward), each
+            "mxfp8" (rows quantized once per token, dequantized on arrival) or "bf16" (rows
+            in x's dtype, unquantized): a preset ("mxfp8", "bf16", "mxfp8_to_experts": MXFP8
+            forward, bf16 backward; :mod:`mxfp8_a2a.exchange.wires`), a Wires (its dispatch legs)
+            or a (forward, backward) pair.
         align: rows per expert block are rounded up to a multiple of it (16: what torch's
             FP8 grouped GEMMs want along the tokens).
         transport: "nccl" (all_to_all_single over the group's backend: fixed splits, padding
@@ -256,19 +264,21 @@ def dispatch_static(
     """
     group, push, world = _carrier(group, transport)
     _check(x, topk_ids, num_experts, world, capacity, align, exchange, scaling_mode, group)
+    wires = leg_pair(exchange, "dispatch")
     if push is not None:
         columns = counts_columns(num_experts // world)
-        check_fits(push, capacity, x.shape[1], x.dtype, exchange, columns, x.device)
+        for wire in set(wires):
+            check_fits(push, capacity, x.shape[1], x.dtype, wire, columns, x.device)
     rows_of, sent, stats = send_plan(topk_ids, num_experts, world, capacity)
     rows_of, recv, stats = _exchange_counts(rows_of, sent.to(x.device), stats, num_experts,
                                             capacity, group, push)  # fmt: skip
     src_row, out_row, offs = receive_plan(recv, capacity, align)
     out = _Dispatch.apply(
-        x, rows_of, src_row, out_row, capacity, world, group, push, exchange, scaling_mode
+        x, rows_of, src_row, out_row, capacity, world, group, push, wires, scaling_mode
     )
     handle = StaticHandle(
         rows_of, src_row, out_row, offs, stats, capacity, x.shape[1], x.dtype, group,
-        exchange, scaling_mode, mark_output(out), push,
+        combine_default(exchange), scaling_mode, mark_output(out), push,
     )  # fmt: skip
     return out, offs, handle
 
@@ -292,7 +302,11 @@ def _carrier(group, transport) -> tuple[dist.ProcessGroup | None, PushBuffer | N
 
 
 def combine_static(
-    expert_y: torch.Tensor, topk_weights: torch.Tensor, handle: StaticHandle
+    expert_y: torch.Tensor,
+    topk_weights: torch.Tensor,
+    handle: StaticHandle,
+    *,
+    exchange: str | tuple[str, str] | Wires | None = None,
 ) -> torch.Tensor:
     """Send expert outputs back and sum them with the router weights, with no host sync.
 
@@ -301,6 +315,9 @@ def combine_static(
             not read; their gradient is zero).
         topk_weights: floating [T, k] router weights.
         handle: from the matching dispatch_static.
+        exchange: the wires of the outputs (forward) and of their gradient (backward): a
+            preset (its combine legs), a Wires or a (forward, backward) pair; default: the
+            dispatch's (a preset's combine legs; for a dispatch pair (f, b): (b, f)).
     Returns:
         [T, H] in expert_y's dtype: out[t] = sum over kept j of topk_weights[t, j] *
         y(t, j), weights rounded to expert_y's dtype, fp32 sums over j in order. Dropped
@@ -326,9 +343,14 @@ def combine_static(
             f"topk_weights must be a floating [{t}, {k}] tensor on {expert_y.device}, got "
             f"{_desc(topk_weights)}"
         )
+    wires = handle.exchange if exchange is None else leg_pair(exchange, "combine")
+    if (push := handle.push) is not None:
+        for wire in set(wires):
+            check_fits(push, handle.capacity, h, handle.dtype, wire, push.count_columns,
+                       expert_y.device)  # fmt: skip
     return _Combine.apply(
         expert_y, topk_weights, handle.rows_of, handle.src_row, handle.out_row, handle.capacity,
-        handle.group, handle.push, handle.exchange, handle.scaling_mode,
+        handle.group, handle.push, wires, handle.scaling_mode,
     )  # fmt: skip
 
 

@@ -117,16 +117,18 @@ def push_combine(y: Tensor, out_row: Tensor, rows_of: Tensor, weights: Tensor | 
 
 
 def push_combine_backward(grad: Tensor, kept: Tensor, rows_of: Tensor, weights: Tensor,
-                          src_row: Tensor, key: int, cap: int, wire: str,
+                          src_row: Tensor, key: int, cap: int, kept_wire: str, wire: str,
                           scaling_mode: str) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """Combine's backward: encode(w[t, j] * grad[t]) stored at rows_of[t, j]'s place in its
-    expert rank's buffer, then grad_y [N, H] = decode(received[src_row]); and grad_w fp32
-    [T, k] from push_combine's kept rows (zero at cap 0: no slot holds a row)."""
+    """Combine's backward: encode(w[t, j] * grad[t]) stored as ``wire`` rows at rows_of[t, j]'s
+    place in its expert rank's buffer, then grad_y [N, H] = decode(received[src_row]); and
+    grad_w fp32 [T, k] from push_combine's kept rows (``kept_wire``; zero at cap 0: no slot
+    holds a row)."""
     h = grad.shape[1]
 
     def store(table, stride):
         return skb.slot_sum_decode_backward_into(grad, kept, rows_of, weights, table, stride,
-                                                 cap, wire, scaling_mode, True, True)  # fmt: skip
+                                                 cap, wire, scaling_mode, True, True,
+                                                 kept_wire)  # fmt: skip
 
     own, grad_w = _exchange(key, cap, h, grad.dtype, wire, store)
     if grad_w is None:
@@ -160,7 +162,7 @@ def _(y, out_row, rows_of, weights, key, cap, wire, scaling_mode, keep):
 
 
 @push_combine_backward_op.register_fake
-def _(grad, kept, rows_of, weights, src_row, key, cap, wire, scaling_mode):
+def _(grad, kept, rows_of, weights, src_row, key, cap, kept_wire, wire, scaling_mode):
     return grad.new_empty((src_row.shape[0], grad.shape[1])), grad.new_empty(
         rows_of.shape, dtype=torch.float32
     )

@@ -124,14 +124,16 @@ def slot_sum_decode_backward_reference(
     n_rows: int,
     wire: str,
     scaling_mode: str = "rceil",
+    buf_wire: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gradients of :func:`slot_sum_decode` for grad [T, H]: (a wire buffer of n_rows rows
-    holding encode(w[t, j] * grad[t]) at rows_of[t, j] (the product rounded to grad's dtype,
-    weights rounded to it first), fp32 [T, k] grad of the weights: the fp32 dot product of
-    grad[t] and decode(buf[rows_of[t, j]]), 0 where rows_of is -1)."""
+    """The gradients of :func:`slot_sum_decode` for grad [T, H]: (a ``wire`` buffer of n_rows
+    rows holding encode(w[t, j] * grad[t]) at rows_of[t, j] (the product rounded to grad's
+    dtype, weights rounded to it first), fp32 [T, k] grad of the weights: the fp32 dot product
+    of grad[t] and decode(buf[rows_of[t, j]]), 0 where rows_of is -1). buf's rows are of
+    ``buf_wire`` (the forward's; default ``wire``)."""
     t, k = rows_of.shape
     h = grad.shape[1]
-    rows = _slot_rows(buf, rows_of, h, grad.dtype, wire).view(t, k, h).float()
+    rows = _slot_rows(buf, rows_of, h, grad.dtype, buf_wire or wire).view(t, k, h).float()
     g = grad.float()
     w = weights.to(grad.dtype).float()
     grad_rows = (w[:, :, None] * g[:, None, :]).to(grad.dtype).view(t * k, h)
@@ -276,23 +278,27 @@ def slot_sum_decode_backward(
     n_rows: int,
     wire: str,
     scaling_mode: str = "rceil",
+    buf_wire: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gradients of :func:`slot_sum_decode` for grad [T, H]: (a wire buffer of n_rows rows
-    holding encode(w[t, j] * grad[t]) at rows_of[t, j] (the product rounded to grad's dtype,
-    weights rounded to it first; other rows zero in the reference, unwritten by the kernel),
-    fp32 [T, k] grad of the weights: the fp32 dot product of grad[t] and
-    decode(buf[rows_of[t, j]]), 0 where rows_of is -1)."""
+    """The gradients of :func:`slot_sum_decode` for grad [T, H]: (a ``wire`` buffer of n_rows
+    rows holding encode(w[t, j] * grad[t]) at rows_of[t, j] (the product rounded to grad's
+    dtype, weights rounded to it first; other rows zero in the reference, unwritten by the
+    kernel), fp32 [T, k] grad of the weights: the fp32 dot product of grad[t] and
+    decode(buf[rows_of[t, j]]), 0 where rows_of is -1). buf's rows are of ``buf_wire`` (the
+    forward's wire; default ``wire``)."""
     check_scaling_mode(scaling_mode)
+    buf_wire = buf_wire or wire
     if (
         grad.dim() == rows_of.dim() == 2
         and rows_of.shape[0] == grad.shape[0]
         and grad.device == buf.device
         and _weights_fit(weights, rows_of)
-        and _decodes(buf, grad.dtype, wire, grad.shape[1], rows_of)
+        and _decodes(buf, grad.dtype, buf_wire, grad.shape[1], rows_of)
+        and _kernels(grad.device, grad.dtype, wire, grad.shape[1], rows_of)
     ):
         return skb.slot_sum_decode_backward_op(
-            grad, buf, rows_of, weights, n_rows, wire, scaling_mode
+            grad, buf, rows_of, weights, n_rows, wire, scaling_mode, buf_wire
         )
     return slot_sum_decode_backward_reference(
-        grad, buf, rows_of, weights, n_rows, wire, scaling_mode
+        grad, buf, rows_of, weights, n_rows, wire, scaling_mode, buf_wire
     )
