@@ -154,7 +154,7 @@ class ExpertParallelMoE(torch.nn.Module):
         self.capacity_factor, self.capacity, self.align = capacity_factor, capacity, align
         self.register_buffer("dispatch_stats", torch.zeros(len(STAT_NAMES), dtype=torch.int64,
                              device=device), persistent=False)  # fmt: skip
-        self.exchange, self.wires, self.transport = exchange, wires, transport
+        self._exchange, self.wires, self.transport = exchange, wires, transport
         router = torch.empty(hidden, num_experts, device=device, dtype=dtype or torch.float32)
         if router.device.type != "meta":
             router.copy_(draw_router(hidden, num_experts, seed))
@@ -162,6 +162,20 @@ class ExpertParallelMoE(torch.nn.Module):
         local = num_experts // world
         self.experts = GroupedExperts(hidden, ffn, rank * local, local, precision=precision,
                                       seed=seed, device=device, dtype=dtype)  # fmt: skip
+
+    @property
+    def exchange(self) -> str | Wires:
+        """The wires of dispatch and combine, as given (a preset name or a Wires); setting it
+        switches every leg (``wires`` holds the four legs it stands for)."""
+        return self._exchange
+
+    @exchange.setter
+    def exchange(self, value: str | Wires) -> None:
+        wires = layer_wires(value)
+        if wires.uses_mxfp8 and self.router.shape[0] % 32:
+            raise ValueError(f"exchange={value!r} has an MXFP8 leg: hidden must be a multiple "
+                             f"of 32, got {self.router.shape[0]}")  # fmt: skip
+        self._exchange, self.wires = value, wires
 
     @property
     def precision(self) -> str:
