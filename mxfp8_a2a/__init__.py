@@ -42,6 +42,7 @@ from .formats import (
     unpack,
 )
 from .grouped import (
+    PRECISIONS,
     Fp8Weights,
     fp8_rowwise_weights,
     grouped_mm,
@@ -49,6 +50,7 @@ from .grouped import (
     per_group_rowwise_scales,
 )
 from .moe import (
+    EXCHANGES,
     ExpertParallelMoE,
     StaticHandle,
     capacity_for,
@@ -65,6 +67,8 @@ from .moe import (
 )
 
 __all__ = [
+    "EXCHANGES",
+    "PRECISIONS",
     "CopyEngineTransport",
     "ExpertParallelMoE",
     "Fp8Weights",
