@@ -1,21 +1,21 @@
 """One ExpertParallelMoE layer, forward + backward, phase by phase, dispatch host-synced or
 static (sync-free), eager or replayed from a CUDA graph:
 
-    sync bf16 / sync mxfp8      dispatch/combine with the splits read on the host (the
-                                layer's default), bf16 or MXFP8 exchange
-    static bf16 / static mxfp8  dispatch_static/combine_static (--capacity-factor, default
-                                1.25), eager
-    ..., graph                  the same layer's whole forward + backward captured in one
-                                CUDA graph and replayed (total time only; CUDA only)
-    static mxfp8, rows only (graph)
-                                dispatch_static + combine_static forward + backward with
-                                identity experts and a fixed routing (made once, outside
-                                the graph), replayed from a graph: the row movement's own
-                                time (its device-side plan included), beside its HBM
-                                bound (bytes each kernel must move once, at the
-                                device-copy ceiling in --copy-tbs)
-    + the FP8 experts (fp8_rowwise, fp8_rowwise_gw_hp, with and without weight reuse) and the
-    old per-expert loop, by name with --variant
+Variants are named PATH-EXCHANGE[-EXPERTS][-graph] (--variant, repeatable):
+
+    sync-*        dispatch/combine with the splits read on the host (the layer's default)
+    static-*      dispatch_static/combine_static (--capacity-factor, default 1.25), eager
+    *-graph       the same layer's whole forward + backward captured in one CUDA graph and
+                  replayed (total time only; CUDA only)
+    EXCHANGE      the legs' wires: bf16, mxfp8 or mxfp8_to_experts (mx.WIRE_PRESETS)
+    *-rows_only-graph
+                  dispatch_static + combine_static forward + backward with identity experts
+                  and a fixed routing (made once, outside the graph), replayed from a graph:
+                  the row movement's own time (its device-side plan included), beside its
+                  HBM bound (bytes each kernel must move once, at the device-copy ceiling in
+                  --copy-tbs)
+    EXPERTS       fp8_rowwise, fp8_rowwise_gw_hp (-reused: inside fp8_weight_reuse()), or
+                  expert_loop (the old per-expert loop)
 
 The experts are bf16 grouped GEMMs unless the name says otherwise.
 
@@ -57,21 +57,22 @@ from mxfp8_a2a.moe.layer import ExpertParallelMoE, route
 GPU_SHAPES = ["4096x7168x8x32x2048", "8192x2048x8x16x768"]
 CPU_SHAPES = ["64x128x2x4x64"]
 VARIANTS = {  # name: (dispatch, exchange, experts, inside fp8_weight_reuse(), graph)
-    "sync bf16": ("sync", "bf16", "bf16", False, False),
-    "sync mxfp8": ("sync", "mxfp8", "bf16", False, False),
-    "static bf16": ("static", "bf16", "bf16", False, False),
-    "static mxfp8": ("static", "mxfp8", "bf16", False, False),
-    "static bf16, graph": ("static", "bf16", "bf16", False, True),
-    "static mxfp8, graph": ("static", "mxfp8", "bf16", False, True),
-    "static mxfp8, rows only (graph)": ("static", "mxfp8", "identity", False, True),
-    "sync bf16 + loop": ("sync", "bf16", "loop", False, False),
-    "sync mxfp8 + fp8_rowwise": ("sync", "mxfp8", "fp8_rowwise", False, False),
-    "sync mxfp8 + fp8_rowwise, weights reused": ("sync", "mxfp8", "fp8_rowwise", True, False),
-    "sync mxfp8 + fp8_rowwise_gw_hp": ("sync", "mxfp8", "fp8_rowwise_gw_hp", False, False),
-    "sync mxfp8 + fp8_rowwise_gw_hp, weights reused": (
-        "sync", "mxfp8", "fp8_rowwise_gw_hp", True, False),
-}  # fmt: skip
-DEFAULT_VARIANTS = list(VARIANTS)[:7]
+    "sync-bf16": ("sync", "bf16", "bf16", False, False),
+    "sync-mxfp8": ("sync", "mxfp8", "bf16", False, False),
+    "sync-mxfp8_to_experts": ("sync", "mxfp8_to_experts", "bf16", False, False),
+    "static-bf16": ("static", "bf16", "bf16", False, False),
+    "static-mxfp8": ("static", "mxfp8", "bf16", False, False),
+    "static-bf16-graph": ("static", "bf16", "bf16", False, True),
+    "static-mxfp8-graph": ("static", "mxfp8", "bf16", False, True),
+    "static-mxfp8_to_experts-graph": ("static", "mxfp8_to_experts", "bf16", False, True),
+    "static-mxfp8-rows_only-graph": ("static", "mxfp8", "identity", False, True),
+    "sync-bf16-expert_loop": ("sync", "bf16", "loop", False, False),
+    "sync-mxfp8-fp8_rowwise": ("sync", "mxfp8", "fp8_rowwise", False, False),
+    "sync-mxfp8-fp8_rowwise-reused": ("sync", "mxfp8", "fp8_rowwise", True, False),
+    "sync-mxfp8-fp8_rowwise_gw_hp": ("sync", "mxfp8", "fp8_rowwise_gw_hp", False, False),
+    "sync-mxfp8-fp8_rowwise_gw_hp-reused": ("sync", "mxfp8", "fp8_rowwise_gw_hp", True, False),
+}
+DEFAULT_VARIANTS = list(VARIANTS)[:9]
 MARKS = ("start", "dispatch", "experts", "combine", "combine_bwd", "experts_bwd", "end")
 PHASES = ("total", "fwd", "bwd", "dispatch", "experts", "combine")
 
