@@ -238,18 +238,31 @@ def lr_factor(step: int, warmup: int, steps: int, floor: float = 0.1) -> float:
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
 
 
+def eval_share(held: torch.Tensor, a, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's share of the fixed held-out windows (drawn from EVAL_SEED: the same set in
+    every run and at every world size): (int64 [n, seq_len + 1], weights fp32 [n]). n is the
+    same on every rank, a multiple of --batch (one shape per call); the padding rows repeat
+    real windows (routed like real text) with weight 0."""
+    if a.eval_windows < world:  # (every rank sees it: none waits)
+        raise ValueError(f"--eval-windows ({a.eval_windows}) must be >= the world size ({world})")
+    g = torch.Generator().manual_seed(EVAL_SEED)
+    starts = torch.randint(0, held.numel() - a.seq_len - 1, (a.eval_windows,), generator=g)
+    mine = windows(held, starts, a.seq_len)[rank::world]
+    n = math.ceil(math.ceil(a.eval_windows / world) / a.batch) * a.batch
+    weights = (torch.arange(n) < len(mine)).float()
+    return mine[torch.arange(n) % len(mine)], weights
+
+
 @torch.no_grad()
-def held_out_bpb(net, evals: torch.Tensor, a, device, autocast) -> float:
-    """Held-out bits/byte over all ranks' windows. evals [n, seq_len + 1], the same n on
-    every rank; rows past this rank's share (-1 in the first byte) weigh nothing."""
+def held_out_bpb(net, evals: torch.Tensor, weights: torch.Tensor, a, device, autocast) -> float:
+    """Held-out bits/byte (nats / ln 2) over all ranks' windows, from :func:`eval_share`."""
     total = torch.zeros(2, device=device, dtype=torch.float64)
-    for chunk in evals.split(a.batch):
-        keep = (chunk[:, 0] >= 0).to(device)
-        chunk = chunk.clamp(min=0).to(device)
+    for chunk, w in zip(evals.split(a.batch), weights.split(a.batch), strict=True):
+        chunk, w = chunk.to(device), w.to(device)
         with autocast:
             logits, _ = net(chunk[:, :-1])
         nats = F.cross_entropy(logits.float().transpose(1, 2), chunk[:, 1:], reduction="none")
-        total += torch.stack([(nats.sum(1) * keep).sum(), keep.sum() * nats.shape[1]])
+        total += torch.stack([(nats.sum(1) * w).sum(), w.sum() * nats.shape[1]])
     dist.all_reduce(total)
     return (total[0] / total[1]).item() / math.log(2)
 
@@ -277,6 +290,11 @@ def parse_args(argv=None):
     for field, value in SIZES[a.size].items():
         if getattr(a, field) is None:
             setattr(a, field, value)
+    for field, value in (*SIZES["toy"].items(), ("log_every", 1)):
+        if type(value) is int and getattr(a, field) < (field != "warmup"):
+            p.error(f"--{field.replace('_', '-')} must be >= {int(field != 'warmup')}")
+    if not a.lr > 0:
+        p.error(f"--lr must be > 0, got {a.lr}")
     if a.d_model % a.heads or (a.d_model // a.heads) % 2:
         p.error(f"--d-model ({a.d_model}) must be a multiple of 2 * --heads ({a.heads})")
     return a
@@ -310,12 +328,7 @@ def main(argv=None) -> None:
                             weight_decay=a.weight_decay)  # fmt: skip
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, a.warmup, a.steps))
     data = torch.Generator().manual_seed(a.seed * 1_000_003 + rank)
-    held = corpus["held_out"]
-    starts = torch.randint(0, held.numel() - a.seq_len - 1, (a.eval_windows,),
-                           generator=torch.Generator().manual_seed(EVAL_SEED))  # fmt: skip
-    evals = windows(held, starts, a.seq_len)[rank::world]
-    share = -(-a.eval_windows // world)  # every rank the same count: pad with weightless rows
-    evals = torch.cat([evals, evals.new_full((share - len(evals), a.seq_len + 1), -1)])
+    evals, eval_weights = eval_share(corpus["held_out"], a, rank, world)
     try:
         from tqdm import tqdm
 
@@ -328,7 +341,7 @@ def main(argv=None) -> None:
     for step in range(a.steps + 1):
         if step % a.eval_every == 0 or step == a.steps:  # held-out loss (steps done: `step`)
             eval_steps.append(step)
-            bpbs.append(held_out_bpb(net, evals, a, device, autocast))
+            bpbs.append(held_out_bpb(net, evals, eval_weights, a, device, autocast))
             clock = time.perf_counter()
         if step == a.steps:
             break
@@ -366,7 +379,9 @@ def main(argv=None) -> None:
         bar.close()
     dropped = sum(b.moe.dispatch_stats for b in net.blocks)
     dist.all_reduce(dropped)
-    routed = (a.steps * a.batch + len(eval_steps) * share) * a.seq_len * a.top_k * a.layers * world
+    routed = (
+        (a.steps * a.batch + len(eval_steps) * len(evals)) * a.seq_len * a.top_k * a.layers * world
+    )
     tokens_per_s = timed_tokens / train_s if train_s else float("nan")
     if rank == 0:
         print(f"static dispatch: {int(dropped[0])} of {routed} rows dropped "
