@@ -8,9 +8,9 @@ site-packages) and of the installed torch package (tens of MB, on every machine 
 split into training and held-out FILES by a hash of each file's path (about 5% held out).
 Batches are random windows of seq_len + 1 bytes (a generator seeded by --seed and the rank);
 the held-out loss is taken every --eval-every steps on a fixed set of held-out windows (the
-same in every run) and reported in bits per byte. AdamW, linear warm-up and cosine decay,
-gradient clipping; bf16 activations on CUDA (parameters fp32), fp32 on CPU; a Switch-style
-load-balancing loss on the routers (--aux-loss).
+same in every run) and reported in bits per byte. AdamW (weight decay on matrices only),
+linear warm-up and cosine decay, gradient clipping; bf16 activations on CUDA (parameters
+fp32), fp32 on CPU; a Switch-style load-balancing loss on the routers (--aux-loss).
 
     python examples/train_lm.py --size toy                      # CPU, seconds a step
     torchrun --nproc-per-node=2 examples/train_lm.py --size toy --exchange mxfp8
@@ -64,9 +64,6 @@ HELD_OUT_PER_MILLE = 50  # files whose path hash falls below this (of 1000) are 
 EVAL_SEED = 0x5EED  # the held-out windows: the same in every run, whatever --seed
 
 
-# ---- the corpus ---------------------------------------------------------------------------
-
-
 def corpus_roots() -> dict[str, str]:
     """{name: directory}: the standard library's and the installed torch package's sources."""
     return {"stdlib": sysconfig.get_paths()["stdlib"], "torch": os.path.dirname(torch.__file__)}
@@ -117,9 +114,6 @@ def load_corpus(roots: dict[str, str] | None = None) -> dict:
 def windows(data: torch.Tensor, starts: torch.Tensor, seq_len: int) -> torch.Tensor:
     """int64 [len(starts), seq_len + 1]: the bytes from each start."""
     return data[starts[:, None] + torch.arange(seq_len + 1)].long()
-
-
-# ---- the model ----------------------------------------------------------------------------
 
 
 def moe_static_kwargs(tokens_per_rank: int, top_k: int, world: int, factor: float) -> dict:
@@ -204,9 +198,6 @@ def count_params(net: ByteLM, a) -> dict[str, int]:
     dense = sum(p.numel() for n, p in net.named_parameters() if ".experts." not in n)
     expert = 2 * a.d_model * a.ffn * a.layers
     return {"total": dense + expert * a.experts, "active": dense + expert * a.top_k}
-
-
-# ---- training -----------------------------------------------------------------------------
 
 
 def init_distributed() -> tuple[torch.device, int, int]:
@@ -324,8 +315,10 @@ def main(argv=None) -> None:
     if a.compile:
         net.compile(fullgraph=True)
     model = torch.nn.parallel.DistributedDataParallel(net)
-    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95),
-                            weight_decay=a.weight_decay)  # fmt: skip
+    flat = [p for p in net.parameters() if p.dim() < 2]  # norms: no weight decay
+    groups = [{"params": [p for p in net.parameters() if p.dim() >= 2]},
+              {"params": flat, "weight_decay": 0.0}]  # fmt: skip
+    opt = torch.optim.AdamW(groups, lr=a.lr, betas=(0.9, 0.95), weight_decay=a.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, a.warmup, a.steps))
     data = torch.Generator().manual_seed(a.seed * 1_000_003 + rank)
     evals, eval_weights = eval_share(corpus["held_out"], a, rank, world)
