@@ -284,6 +284,10 @@ def parse_args(argv=None):
     for field, value in (*SIZES["toy"].items(), ("log_every", 1)):
         if type(value) is int and getattr(a, field) < (field != "warmup"):
             p.error(f"--{field.replace('_', '-')} must be >= {int(field != 'warmup')}")
+    if a.dtype == "auto":
+        a.dtype = "bfloat16" if torch.cuda.is_available() else "float32"
+    if a.precision == "fp8_rowwise_gw_hp" and a.dtype != "bfloat16":
+        p.error("--precision fp8_rowwise_gw_hp needs bf16 activations: pass --dtype bfloat16")
     if not a.lr > 0:
         p.error(f"--lr must be > 0, got {a.lr}")
     if a.d_model % a.heads or (a.d_model // a.heads) % 2:
@@ -294,8 +298,7 @@ def parse_args(argv=None):
 def main(argv=None) -> None:
     a = parse_args(argv)
     device, rank, world = init_distributed()
-    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
-             "float32": torch.float32, "bfloat16": torch.bfloat16}[a.dtype]  # fmt: skip
+    dtype = getattr(torch, a.dtype)
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     torch.backends.cuda.matmul.allow_tf32 = True
     corpus = load_corpus()
@@ -380,8 +383,8 @@ def main(argv=None) -> None:
         print(f"static dispatch: {int(dropped[0])} of {routed} rows dropped "
               f"(capacity factor {a.capacity_factor}); {tokens_per_s:,.0f} tokens/s")  # fmt: skip
         if a.json:
-            record = {"config": {**vars(a), "world": world, "device": str(device),
-                                 "dtype": str(dtype).removeprefix("torch."), "params": params},
+            config = {**vars(a), "world": world, "device": str(device), "params": params}
+            record = {"config": config,
                       "corpus": info, "train_loss": curve,
                       "eval": {"step": eval_steps, "bits_per_byte": bpbs},
                       "tokens_per_s": tokens_per_s, "dropped_rows": int(dropped[0]),

@@ -138,3 +138,28 @@ def test_plot_curves_png(runs):
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--batch", "0"], "--batch must be >= 1"),
+        (["--lr", "0"], "--lr must be > 0"),
+        (["--d-model", "60"], "--d-model (60) must be a multiple of 2 * --heads (4)"),
+        (["--precision", "fp8_rowwise_gw_hp", "--dtype", "float32"], "--dtype bfloat16"),
+    ],
+)
+def test_bad_arguments_named(args, message, capsys):
+    with pytest.raises(SystemExit):
+        train_lm().parse_args(args)
+    assert message in capsys.readouterr().err
+
+
+def test_gpu_size():
+    """The H200 configuration: 50-150M parameters, >= 32 experts, top-4..8, >= 32k tokens."""
+    a = train_lm().parse_args(["--size", "gpu"])
+    assert a.experts >= 32 and 4 <= a.top_k <= 8 and a.seq_len in (512, 1024)
+    assert a.batch * a.seq_len >= 32768
+    expert = 2 * a.d_model * a.ffn * a.layers
+    dense = a.layers * 4 * a.d_model**2 + 2 * 256 * a.d_model  # attention, embedding, head
+    assert 50e6 <= dense + expert * a.experts <= 150e6
