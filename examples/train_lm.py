@@ -61,6 +61,7 @@ SIZES = {  # every field can be overridden by its flag
                 batch=64, steps=2000, lr=1e-3, warmup=100, eval_every=100, eval_windows=512),
 }  # fmt: skip
 HELD_OUT_PER_MILLE = 50  # files whose path hash falls below this (of 1000) are held out
+SKIP_DIRS = ("site-packages", "dist-packages", "__pycache__")
 EVAL_SEED = 0x5EED  # the held-out windows: the same in every run, whatever --seed
 
 
@@ -75,9 +76,7 @@ def list_files(roots: dict[str, str]) -> list[tuple[str, str]]:
     found = []
     for name, root in roots.items():
         for here, dirs, files in os.walk(root):
-            dirs[:] = [
-                d for d in dirs if d not in ("site-packages", "dist-packages", "__pycache__")
-            ]
+            dirs[:] = [d for d in dirs if d not in SKIP_DIRS]
             for f in files:
                 if f.endswith(".py"):
                     path = os.path.join(here, f)
@@ -102,9 +101,8 @@ def load_corpus(roots: dict[str, str] | None = None) -> dict:
         digest.update(rel.encode() + b"\0" + len(data).to_bytes(8, "little") + data)
         parts[is_held_out(rel)].append(data)
         files[is_held_out(rel)] += 1
-    split = {
-        k: torch.frombuffer(bytearray(b"".join(v)), dtype=torch.uint8) for k, v in parts.items()
-    }
+    joined = {k: bytearray(b"".join(v)) for k, v in parts.items()}
+    split = {k: torch.frombuffer(v, dtype=torch.uint8) for k, v in joined.items()}
     info = {"train_files": files[False], "train_bytes": split[False].numel(),
             "held_out_files": files[True], "held_out_bytes": split[True].numel(),
             "sha256": digest.hexdigest()}  # fmt: skip
@@ -148,7 +146,7 @@ class Block(torch.nn.Module):
         y = F.scaled_dot_product_attention(rotate(q, cos, sin), rotate(k, cos, sin), v,
                                            is_causal=True)  # fmt: skip
         x = x + self.proj(y.transpose(1, 2).reshape(B, S, d))
-        h = self.norm2(x).to(self.moe_dtype).reshape(B * S, d)
+        h = self.norm2(x).to(self.moe_dtype).reshape(B * S, d)  # (autocast: fp32)
         with torch.autocast(x.device.type, enabled=False):  # the layer takes h's dtype
             y = self.moe(h)
             aux = balance_loss(h, self.moe.router, self.moe.top_k)
@@ -227,6 +225,32 @@ def lr_factor(step: int, warmup: int, steps: int, floor: float = 0.1) -> float:
         return (step + 1) / warmup
     t = (step - warmup) / max(1, steps - warmup)
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
+
+
+def clip_gradients(net: ByteLM, max_norm: float) -> torch.Tensor:
+    """Scale the gradients to a norm of at most ``max_norm``, the norm over the whole model
+    (every rank's experts once, the replicated rest once): the same factor on every rank, so
+    the replicas stay alike. Returns that norm (fp32 scalar). A collective."""
+    grads = {n: p.grad for n, p in net.named_parameters() if p.grad is not None}
+    zero = net.cos.new_zeros(())
+    experts = sum((g.float().square().sum() for n, g in grads.items() if ".experts." in n), zero)
+    dense = sum((g.float().square().sum() for n, g in grads.items() if ".experts." not in n), zero)
+    dist.all_reduce(experts)  # each rank its own experts; the rest is the same on every rank
+    norm = (experts + dense).sqrt()
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for g in grads.values():
+        g.mul_(scale.to(g.dtype))
+    return norm
+
+
+def check_replicas(net: ByteLM) -> None:
+    """Raise on every rank if the replicated (non-expert) parameters differ between ranks."""
+    sums = torch.stack([p.detach().double().sum() for n, p in net.named_parameters()
+                        if ".experts." not in n])  # fmt: skip
+    gathered = [torch.empty_like(sums) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, sums)
+    if not all(torch.equal(g, sums) for g in gathered):
+        raise RuntimeError("the ranks' replicated (non-expert) parameters differ after training")
 
 
 def eval_share(held: torch.Tensor, a, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -348,7 +372,7 @@ def main(argv=None) -> None:
         loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
         opt.zero_grad(set_to_none=True)
         (loss + a.aux_loss * aux).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), a.clip)
+        clip_gradients(net, a.clip)
         opt.step()
         sched.step()
         pending.append(loss.detach())
@@ -359,11 +383,8 @@ def main(argv=None) -> None:
             curve += (losses / world).tolist()
             now = time.perf_counter()
             if step > 0:  # the first step (compile, warm-up) is not timed
-                train_s, timed_tokens = (
-                    train_s + now - clock,
-                    timed_tokens + len(pending) * step_tokens,
-                )
                 rate = len(pending) * step_tokens / (now - clock)
+                train_s, timed_tokens = train_s + now - clock, timed_tokens + rate * (now - clock)
             pending, clock = [], now
             stats = f"loss {curve[-1]:.4f}  held-out {bpbs[-1]:.4f} bits/byte  {rate:,.0f} tok/s"
             if bar is not None:
@@ -373,6 +394,7 @@ def main(argv=None) -> None:
                 print(f"step {step + 1:6d}  {stats}", flush=True)
     if bar is not None:
         bar.close()
+    check_replicas(net)
     dropped = sum(b.moe.dispatch_stats for b in net.blocks)
     dist.all_reduce(dropped)
     routed = (
@@ -384,8 +406,7 @@ def main(argv=None) -> None:
               f"(capacity factor {a.capacity_factor}); {tokens_per_s:,.0f} tokens/s")  # fmt: skip
         if a.json:
             config = {**vars(a), "world": world, "device": str(device), "params": params}
-            record = {"config": config,
-                      "corpus": info, "train_loss": curve,
+            record = {"config": config, "corpus": info, "train_loss": curve,
                       "eval": {"step": eval_steps, "bits_per_byte": bpbs},
                       "tokens_per_s": tokens_per_s, "dropped_rows": int(dropped[0]),
                       "final_bits_per_byte": bpbs[-1]}  # fmt: skip
