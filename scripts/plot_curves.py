@@ -4,7 +4,8 @@
 
 Plots each run's held-out bits/byte against the step (one line per run, labelled
 exchange/precision/seed) and prints, per run, the final held-out bits/byte and its gap in %
-to the run of the same seed with exchange and precision "bf16" (blank where there is none).
+to the run of the same seed with exchange and precision "bf16" (blank where there is none),
+then each configuration's mean gap over its seeds.
 The plot needs matplotlib (the "plot" or "examples" extra); --no-plot prints the table only.
 """
 
@@ -70,8 +71,13 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     runs = sorted(load_runs(a.runs), key=lambda r: r["label"])
     print(f"{'run (exchange/precision/seed)':40s} {'final bits/byte':>16s} {'vs bf16':>9s}  file")
+    gaps: dict[str, list[float]] = {}
     for label, final, gap, path in table(runs):
         print(f"{label:40s} {final:16.4f} {'' if gap is None else f'{gap:+.2f}%':>9s}  {path}")
+        if gap is not None:
+            gaps.setdefault(label.rsplit("/", 1)[0], []).append(gap)
+    for config, g in gaps.items():  # the mean over the seeds that have a bf16 run
+        print(f"{config + ' mean':40s} {'':16s} {sum(g) / len(g):+8.2f}%  ({len(g)} seeds)")
     if a.no_plot:
         return
     try:

@@ -128,6 +128,7 @@ def test_plot_curves_table(runs):
     bf16, mxfp8 = runs["bf16"][1]["final_bits_per_byte"], runs["mxfp8_2"][1]["final_bits_per_byte"]
     assert rows["bf16/bf16/0"][2] == "+0.00%"
     assert rows["mxfp8/bf16/0"][2] == f"{100 * (mxfp8 / bf16 - 1):+.2f}%"
+    assert rows["mxfp8/bf16"][1:] == ["mean", f"{100 * (mxfp8 / bf16 - 1):+.2f}%", "(1", "seeds)"]
 
 
 def test_plot_curves_png(runs):
