@@ -1,23 +1,20 @@
 """Train a byte-level MoE language model on Python source, to compare the exchanges' precision.
 
-A small decoder-only transformer: byte embedding (vocab 256), blocks of pre-norm causal
-self-attention (rotary positions, F.scaled_dot_product_attention) and a pre-norm MoE layer
-(mxfp8_a2a.ExpertParallelMoE on the static dispatch: fixed capacity, no host sync), a final
-norm and an output head. The text is the .py files of the Python standard library (without
-site-packages) and of the installed torch package (tens of MB, on every machine with torch),
-split into training and held-out FILES by a hash of each file's path (about 5% held out).
-Batches are random windows of seq_len + 1 bytes (a generator seeded by --seed and the rank);
-the held-out loss is taken every --eval-every steps on a fixed set of held-out windows (the
-same in every run) and reported in bits per byte. AdamW (weight decay on matrices only),
-linear warm-up and cosine decay, gradient clipping; bf16 activations on CUDA (parameters
-fp32), fp32 on CPU; a Switch-style load-balancing loss on the routers (--aux-loss).
+A decoder-only transformer (byte embedding; blocks of pre-norm causal self-attention with
+rotary positions and a pre-norm mxfp8_a2a.ExpertParallelMoE on the static dispatch; final norm,
+output head) learns the .py files of the Python standard library and the installed torch
+(tens of MB on any machine with torch), split into training and held-out files by a hash of
+the path (about 5% held out). Batches: random windows of seq_len + 1 bytes, seeded by --seed
+and the rank. Held-out bits/byte every --eval-every steps on fixed windows (the same in every
+run). AdamW (decay on matrices), warm-up and cosine decay, clipping by the whole model's
+gradient norm, a load-balancing loss (--aux-loss); bf16 activations on CUDA, fp32 on CPU.
 
     python examples/train_lm.py --size toy                      # CPU, seconds a step
     torchrun --nproc-per-node=2 examples/train_lm.py --size toy --exchange mxfp8
 
 The measurement on one H200 (4 configurations x 3 seeds), then the plot and the table:
 
-    for seed in 0 1 2; do
+    mkdir -p runs; for seed in 0 1 2; do
       for cfg in "bf16 bf16" "mxfp8_to_experts bf16" "mxfp8 bf16" \\
                  "mxfp8_to_experts fp8_rowwise_gw_hp"; do
         set -- $cfg
