@@ -1,0 +1,91 @@
+"""Held-out curves of examples/train_lm.py runs: one PNG and a table.
+
+    python scripts/plot_curves.py runs/lm_*.json --out runs/lm_curves.png
+
+Plots each run's held-out bits/byte against the step (one line per run, labelled
+exchange/precision/seed) and prints, per run, the final held-out bits/byte and its gap in %
+to the run of the same seed with exchange and precision "bf16" (blank where there is none),
+then each configuration's mean gap over its seeds.
+The plot needs matplotlib (the "plot" or "examples" extra); --no-plot prints the table only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def load_runs(paths: list[str]) -> list[dict]:
+    """The runs' JSON records, each with "label" (exchange/precision/seed) and "path" added."""
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            run = json.load(f)
+        c = run["config"]
+        runs.append({**run, "path": path, "label": f"{c['exchange']}/{c['precision']}/{c['seed']}"})
+    return runs
+
+
+def table(runs: list[dict]) -> list[tuple[str, float, float | None, str]]:
+    """[(label, final bits/byte, gap in % to the same seed's bf16/bf16 run or None, path)]."""
+    base = {
+        r["config"]["seed"]: r["final_bits_per_byte"]
+        for r in runs
+        if (r["config"]["exchange"], r["config"]["precision"]) == ("bf16", "bf16")
+    }
+    rows = []
+    for r in runs:
+        ref = base.get(r["config"]["seed"])
+        gap = None if ref is None else 100 * (r["final_bits_per_byte"] / ref - 1)
+        rows.append((r["label"], r["final_bits_per_byte"], gap, r["path"]))
+    return rows
+
+
+def plot(runs: list[dict], out: str) -> None:
+    """One line per run: held-out bits/byte against the step, into the PNG ``out``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for r in runs:
+        ax.plot(r["eval"]["step"], r["eval"]["bits_per_byte"], label=r["label"], lw=1)
+    finals = [r["final_bits_per_byte"] for r in runs]
+    highest = max(max(r["eval"]["bits_per_byte"]) for r in runs)
+    ax.set_ylim(0.97 * min(finals), min(highest, 1.5 * max(finals)) + 1e-3)  # the late steps
+    ax.set(xlabel="step", ylabel="held-out bits/byte", title="examples/train_lm.py")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("runs", nargs="+", help="JSON files written by train_lm.py --json")
+    p.add_argument("--out", default="curves.png", help="the PNG to write")
+    p.add_argument("--no-plot", action="store_true", help="print the table only")
+    a = p.parse_args(argv)
+    runs = sorted(load_runs(a.runs), key=lambda r: r["label"])
+    print(f"{'run (exchange/precision/seed)':40s} {'final bits/byte':>16s} {'vs bf16':>9s}  file")
+    gaps: dict[str, list[float]] = {}
+    for label, final, gap, path in table(runs):
+        print(f"{label:40s} {final:16.4f} {'' if gap is None else f'{gap:+.2f}%':>9s}  {path}")
+        if gap is not None:
+            gaps.setdefault(label.rsplit("/", 1)[0], []).append(gap)
+    for config, g in gaps.items():  # the mean over the seeds that have a bf16 run
+        print(f"{config + ' mean':40s} {'':16s} {sum(g) / len(g):+8.2f}%  ({len(g)} seeds)")
+    if a.no_plot:
+        return
+    try:
+        plot(runs, a.out)
+    except ImportError:
+        sys.exit("the plot needs matplotlib: pip install matplotlib (or pass --no-plot)")
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
