@@ -1,10 +1,11 @@
 """Expert-parallel MoE on the exchange: dispatch/combine (host-synced, or static-shape and
 sync-free), a layer built on them, and its data parallelism and checkpoints."""
 
+from .checkpoint import full_state_dict, load_full_state_dict
 from .dispatch import EXCHANGES, DispatchHandle, combine, dispatch
 from .experts import GroupedExperts
 from .layer import ExpertParallelMoE, route
-from .parallel import full_state_dict, load_full_state_dict, prepare_ddp, shard_experts
+from .parallel import prepare_ddp, shard_experts
 from .static_dispatch import (
     StaticHandle,
     capacity_for,

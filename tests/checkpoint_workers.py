@@ -1,0 +1,154 @@
+"""Workers of test_checkpoint.py: a small model with an ExpertParallelMoE layer (6 experts,
+so that worlds 1, 2 and 3 divide them) built on a (dp, ep) mesh, unwrapped, under DDP or
+under FSDP2, saved and loaded through torch.distributed.checkpoint and the full state dict
+helpers, and compared bit for bit with the weights its seed draws."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import mxfp8_a2a as mx
+from mxfp8_a2a.moe.layer import init_moe_weights
+
+HIDDEN, FFN, EXPERTS, TOP_K = 16, 16, 6, 2
+
+
+class Net(torch.nn.Module):
+    """pre (dense) -> MoE layer (residual) -> head; every weight drawn from ``seed``."""
+
+    def __init__(self, group, seed: int):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.pre = torch.nn.Linear(HIDDEN, HIDDEN)
+        with torch.no_grad():
+            self.pre.weight.copy_(torch.randn(HIDDEN, HIDDEN, generator=g))
+            self.pre.bias.copy_(torch.randn(HIDDEN, generator=g))
+        self.moe = mx.ExpertParallelMoE(
+            HIDDEN, FFN, EXPERTS, TOP_K, group, exchange="bf16", seed=seed
+        )
+        self.head = torch.nn.Parameter(torch.randn(HIDDEN, 4, generator=g))
+
+    def forward(self, x):
+        h = self.pre(x)
+        return (h + self.moe(h)) @ self.head
+
+
+def expected(seed: int) -> dict[str, torch.Tensor]:
+    """The full state dict of a Net built with ``seed`` (as a group of one builds it)."""
+    g = torch.Generator().manual_seed(seed)
+    pre_w, pre_b = torch.randn(HIDDEN, HIDDEN, generator=g), torch.randn(HIDDEN, generator=g)
+    moe = init_moe_weights(HIDDEN, FFN, EXPERTS, seed)
+    return {"pre.weight": pre_w, "pre.bias": pre_b, "moe.router": moe["router"],
+            "moe.experts.w1": moe["w1"], "moe.experts.w2": moe["w2"],
+            "head": torch.randn(HIDDEN, 4, generator=g)}  # fmt: skip
+
+
+def build(world: int, wrap: str, dp: int, seed: int) -> tuple[Net, torch.nn.Module]:
+    """(the Net, the model to use: itself, its DDP wrapper or itself sharded by FSDP2)."""
+    mesh = init_device_mesh("cpu", (dp, world // dp), mesh_dim_names=("dp", "ep"))
+    net = Net(mesh["ep"], seed)
+    if wrap == "ddp":
+        mx.prepare_ddp(net, mesh["dp"] if dp > 1 else None)
+        return net, torch.nn.parallel.DistributedDataParallel(net)
+    if wrap == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        mx.shard_experts(net, mesh["dp"])
+        fully_shard(net, mesh=init_device_mesh("cpu", (world,)))
+    return net, net
+
+
+def mismatches(net: Net, seed: int) -> list[str]:
+    """The parameters of ``net`` (this rank's part) that differ from those of ``seed``."""
+    want, bad = expected(seed), []
+    layer = net.moe
+    for key, param in net.named_parameters():
+        full = want[key]
+        if key.startswith("moe.experts."):
+            count = layer.num_experts // dist.get_world_size(layer.group)
+            full = full[layer.experts.first : layer.experts.first + count]
+        if isinstance(param, DTensor):  # FSDP2: this rank's chunk (torch.chunk's split)
+            step = -(-full.shape[0] // param.device_mesh.size())
+            start = param.device_mesh.get_local_rank() * step
+            full, param = full[start : start + step], param.to_local()
+        if not torch.equal(param.detach(), full):
+            bad.append(key)
+    return bad
+
+
+def _get(model, api: str) -> dict:
+    if api == "dcp_helpers":
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(model)
+    return model.state_dict()
+
+
+def save(rank: int, world: int, path: str, wrap: str, dp: int, api: str) -> dict:
+    """dcp.save of a Net of seed 1; returns the form of its state dict."""
+    net, model = build(world, wrap, dp, seed=1)
+    state = _get(model, api)
+    dcp.save(state, checkpoint_id=path)
+    experts = {k: v for k, v in state.items() if "experts" in k}
+    return {
+        "keys": sorted(state),
+        "experts": {k: (type(v).__name__, tuple(v.shape)) for k, v in experts.items()},
+        "router": type(state[[k for k in state if k.endswith("router")][0]]).__name__,
+    }
+
+
+def load(rank: int, world: int, path: str, wrap: str, dp: int, api: str) -> list[str]:
+    """A Net of seed 2 loaded from ``path`` (saved from seed 1): what differs from seed 1."""
+    net, model = build(world, wrap, dp, seed=2)
+    state = _get(model, api)
+    dcp.load(state, checkpoint_id=path)
+    if api == "dcp_helpers":
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(model, state)
+    else:
+        model.load_state_dict(state)
+    return mismatches(net, seed=1)
+
+
+def full_round_trip(rank: int, world: int, wrap: str, dp: int) -> dict:
+    """full_state_dict of a wrapped Net of seed 1 on the last rank (checked there against the
+    seed's weights), load_full_state_dict of seed 1's weights into one of seed 2."""
+    net, model = build(world, wrap, dp, seed=1)
+    state = mx.full_state_dict(model, dst=world - 1)
+    out = {"none": state is None}
+    if state is not None:
+        want = expected(1)
+        out["keys"] = sorted(state)
+        out["differ"] = [k for k in want if not torch.equal(state.get(k, torch.empty(0)), want[k])]
+    net2, model2 = build(world, wrap, dp, seed=2)
+    mx.load_full_state_dict(model2, expected(1))
+    out["loaded_differ"] = mismatches(net2, seed=1)
+    return out
+
+
+def one_rank_only(rank: int, world: int) -> str:
+    """The mistake ``if rank == 0: full_state_dict(model)``: what each rank sees."""
+    net, model = build(world, "ddp", 1, seed=1)
+    try:
+        if rank == 0:
+            mx.full_state_dict(model, timeout=3.0)
+            return "no error"
+        dist.barrier()  # the others go on to their next collective
+        return "barrier passed"
+    except RuntimeError as err:
+        return str(err)
+
+
+def bad_dst(rank: int, world: int) -> str:
+    """Each rank passes its own rank as dst (or rank 1 an out-of-range one)."""
+    net, model = build(world, "none", 1, seed=1)
+    try:
+        mx.full_state_dict(model, dst=rank if world > 2 else 5 * rank)
+        return "no error"
+    except ValueError as err:
+        return str(err)
