@@ -152,3 +152,57 @@ def bad_dst(rank: int, world: int) -> str:
         return "no error"
     except ValueError as err:
         return str(err)
+
+
+def _trained(world: int, wrap: str, dp: int, seed: int):
+    """A Net of ``seed`` after one Adam step on this rank's tokens (the optimizer has
+    state), its optimizer prepared for checkpoints."""
+    net, model = build(world, wrap, dp, seed)
+    opt = mx.prepare_optimizer(model, torch.optim.Adam(model.parameters(), lr=1e-2))
+    x = torch.randn(8, HIDDEN, generator=torch.Generator().manual_seed(dist.get_rank() + seed))
+    model(x).square().mean().backward()
+    opt.step()
+    return net, model, opt
+
+
+def _expert_moments(net: Net, opt) -> tuple[int, list]:
+    """(the global index of this rank's first expert row, its experts' Adam moments)."""
+    layer, start = net.moe, net.moe.experts.first
+    if isinstance(layer.experts.w1, DTensor):  # FSDP2's chunk
+        mesh = layer.experts.w1.device_mesh
+        start += mesh.get_local_rank() * -(-layer.experts.w1.shape[0] // mesh.size())
+    local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
+    return start, [local(opt.state[p][k]).numpy().copy()
+                   for p in (layer.experts.w1, layer.experts.w2)
+                   for k in ("exp_avg", "exp_avg_sq")]  # fmt: skip
+
+
+def _dcp_state(model, opt) -> dict:
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+
+
+def optimizer_save(rank: int, world: int, path: str, wrap: str, dp: int) -> tuple[int, list]:
+    """dcp.save of a trained Net of seed 1 and its Adam state; returns its expert moments."""
+    net, model, opt = _trained(world, wrap, dp, seed=1)
+    dcp.save(_dcp_state(model, opt), checkpoint_id=path)
+    return _expert_moments(net, opt)
+
+
+def optimizer_load(rank: int, world: int, path: str, wrap: str, dp: int) -> tuple[int, list]:
+    """A trained Net of seed 2 and its Adam state loaded from ``path``: its expert moments."""
+    from torch.distributed.checkpoint.state_dict import (
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    net, model, opt = _trained(world, wrap, dp, seed=2)
+    state = _dcp_state(model, opt)
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"])
+    return _expert_moments(net, opt)

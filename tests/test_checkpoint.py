@@ -5,8 +5,18 @@ models; full_state_dict called on one rank only says so instead of hanging."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
-from checkpoint_workers import bad_dst, full_round_trip, load, one_rank_only, save
+from checkpoint_workers import (
+    EXPERTS,
+    bad_dst,
+    full_round_trip,
+    load,
+    one_rank_only,
+    optimizer_load,
+    optimizer_save,
+    save,
+)
 from dist_utils import run_distributed
 
 # (world, wrap, data-parallel size); expert-parallel size = world / dp
@@ -83,3 +93,30 @@ def test_full_state_dict_arguments_that_differ_raise_on_every_rank(world):
     else:
         want = "full_state_dict: dst differs between ranks ([0, 1, 2] by rank)"
     assert all(g.startswith(want) for g in got), got
+
+
+def _full_moments(pieces: list) -> list[np.ndarray]:
+    """Every expert's moments from the ranks' (first row, local moments)."""
+    full = [np.full((EXPERTS, *m.shape[1:]), np.nan, m.dtype) for m in pieces[0][1]]
+    for start, moments in pieces:
+        for f, m in zip(full, moments, strict=True):
+            f[start : start + len(m)] = m
+    assert not any(np.isnan(f).any() for f in full)
+    return full
+
+
+@pytest.mark.parametrize("save_at,load_at", [
+    ((2, "none", 1), [(2, "none", 1), (1, "none", 1), (2, "fsdp2", 2), (2, "ddp", 2)]),
+    ((3, "ddp", 1), [(3, "ddp", 1)]),
+    ((4, "fsdp2", 2), [(4, "fsdp2", 2), (2, "fsdp2", 1)]),
+])  # fmt: skip
+def test_optimizer_state_round_trip(tmp_path, save_at, load_at):
+    """prepare_optimizer: the experts' Adam moments come back bit for bit through dcp
+    (get/set_optimizer_state_dict), at the same and at other layouts."""
+    path = str(tmp_path / "ckpt")
+    world, wrap, dp = save_at
+    want = _full_moments(run_distributed(optimizer_save, world, path, wrap, dp))
+    for world, wrap, dp in load_at:
+        for start, moments in run_distributed(optimizer_load, world, path, wrap, dp):
+            for w, m in zip(want, moments, strict=True):
+                assert np.array_equal(m, w[start : start + len(m)]), (world, wrap, dp)

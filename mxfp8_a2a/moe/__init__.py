@@ -1,7 +1,7 @@
 """Expert-parallel MoE on the exchange: dispatch/combine (host-synced, or static-shape and
 sync-free), a layer built on them, and its data parallelism and checkpoints."""
 
-from .checkpoint import full_state_dict, load_full_state_dict
+from .checkpoint import full_state_dict, load_full_state_dict, prepare_optimizer
 from .dispatch import EXCHANGES, DispatchHandle, combine, dispatch
 from .experts import GroupedExperts
 from .layer import ExpertParallelMoE, route
@@ -30,6 +30,7 @@ __all__ = [
     "full_state_dict",
     "load_full_state_dict",
     "prepare_ddp",
+    "prepare_optimizer",
     "route",
     "shard_experts",
     "static_rows",

@@ -25,6 +25,7 @@ tensors on one rank, for ``torch.save`` (any module, wrapped or not).
 from __future__ import annotations
 
 import datetime
+import functools
 import math
 import time
 
@@ -96,17 +97,18 @@ def _present_experts(layer, state_dict: dict, prefix: str, local_metadata) -> No
     """state_dict post-hook: experts.w1 / w2 as DTensors [E, ...] over the layer's group."""
     for name in ("w1", "w2"):
         key = f"{prefix}experts.{name}"
-        if key not in state_dict:
-            continue
-        param = getattr(layer.experts, name)
-        mesh, placements = _expert_mesh(layer, param)
-        value = state_dict[key]
-        local = value.to_local() if isinstance(value, DTensor) else value
-        shape = _global_shape(layer, param)
-        state_dict[key] = DTensor.from_local(
-            local.detach(), mesh, placements, run_check=False, shape=torch.Size(shape),
-            stride=_contiguous_stride(shape),
-        )  # fmt: skip
+        if key in state_dict:
+            state_dict[key] = _as_global(layer, getattr(layer.experts, name), state_dict[key])
+
+
+def _as_global(layer, param: torch.Tensor, value: torch.Tensor) -> DTensor:
+    """``value`` (``param`` or a tensor of its form) as the DTensor [E, ...] of its experts."""
+    mesh, placements = _expert_mesh(layer, param)
+    local = value.to_local() if isinstance(value, DTensor) else value
+    shape = _global_shape(layer, param)
+    stride = _contiguous_stride(shape)
+    return DTensor.from_local(local.detach(), mesh, placements, run_check=False,
+                              shape=torch.Size(shape), stride=stride)  # fmt: skip
 
 
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -319,3 +321,61 @@ def load_full_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor])
             )  # fmt: skip (local: no collective)
         ready[key] = value
     net.load_state_dict(ready)
+
+
+def prepare_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+    """Make ``optimizer.state_dict()`` present the states of the experts (Adam's moments,
+    SGD's momentum: tensors of the parameter's shape) as the model's ``state_dict()``
+    presents the experts, DTensors [E, ...] over the expert-parallel group, and
+    ``load_state_dict`` take them back (or full [E, ...] / local [L, ...] plain tensors), so
+    that torch.distributed.checkpoint keeps every rank's (``get_optimizer_state_dict`` /
+    ``set_optimizer_state_dict``, or ``optimizer.state_dict()``) and loads them at another
+    expert-parallel size. Without it, dcp keeps one rank's states of the experts for all.
+    Call once, on every rank, after wrapping the model and building the optimizer; returns
+    the optimizer. Other states of an expert raise ValueError in ``state_dict()``."""
+    net = _unwrap(model)
+    if not _expert_params(net):
+        raise ValueError("prepare_optimizer: model has no ExpertParallelMoE layer")
+    optimizer.register_state_dict_post_hook(functools.partial(_present_states, net=net))
+    optimizer.register_load_state_dict_pre_hook(functools.partial(_accept_states, net=net))
+    return optimizer
+
+
+def _expert_states(optimizer, state_dict: dict, net: torch.nn.Module):
+    """(index, key, layer, name, param) of each expert parameter's state in state_dict."""
+    owners = {id(getattr(layer.experts, name)): (key, layer, name)
+              for key, (layer, name) in _expert_params(net).items()}  # fmt: skip
+    for saved, group in zip(state_dict["param_groups"], optimizer.param_groups, strict=True):
+        for index, param in zip(saved["params"], group["params"], strict=True):
+            if id(param) in owners and index in state_dict["state"]:
+                yield (index, *owners[id(param)], param)
+
+
+def _present_states(optimizer, state_dict: dict, net: torch.nn.Module) -> dict:
+    state = dict(state_dict["state"])  # (its per-parameter dicts are the optimizer's own)
+    for index, key, layer, _, param in _expert_states(optimizer, state_dict, net):
+        mine = dict(state[index])
+        for k, value in mine.items():
+            if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                continue
+            if value.shape != param.shape:
+                raise ValueError(
+                    f"prepare_optimizer: state {k!r} of {key} has shape {tuple(value.shape)}, "
+                    f"not the parameter's {tuple(param.shape)}: only states of the "
+                    f"parameter's shape can be saved by expert (Adam, SGD with momentum)"
+                )
+            mine[k] = _as_global(layer, param, value)
+        state[index] = mine
+    return {**state_dict, "state": state}
+
+
+def _accept_states(optimizer, state_dict: dict, net: torch.nn.Module) -> dict:
+    state = dict(state_dict["state"])
+    for index, key, layer, name, _ in _expert_states(optimizer, state_dict, net):
+        state[index] = {k: _as_param(layer, name, v, f"{key} {k}") if _is_array(v) else v
+                        for k, v in state[index].items()}  # fmt: skip
+    return {**state_dict, "state": state}
+
+
+def _is_array(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0
