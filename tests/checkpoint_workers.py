@@ -128,6 +128,14 @@ def full_round_trip(rank: int, world: int, wrap: str, dp: int) -> dict:
     net2, model2 = build(world, wrap, dp, seed=2)
     mx.load_full_state_dict(model2, expected(1))
     out["loaded_differ"] = mismatches(net2, seed=1)
+    # torch's own full state dict (on rank 0) gathers the experts' DTensors as well
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    torch_full = get_model_state_dict(model, options=options)
+    if rank == 0:
+        want = expected(1)
+        out["torch_differ"] = [k for k in want if not torch.equal(torch_full[k], want[k])]
     return out
 
 
@@ -206,3 +214,32 @@ def optimizer_load(rank: int, world: int, path: str, wrap: str, dp: int) -> tupl
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, opt, state["optim"])
     return _expert_moments(net, opt)
+
+
+def state_dict_forms(rank: int, world: int) -> dict:
+    """load_state_dict of each form an expert key may take, and the helpers' refusals."""
+    out = {}
+    layer = mx.ExpertParallelMoE(HIDDEN, FFN, EXPERTS, TOP_K, exchange="bf16", seed=1)
+    want = expected(1)
+    full = {"router": want["moe.router"], "experts.w1": want["moe.experts.w1"],
+            "experts.w2": want["moe.experts.w2"]}  # fmt: skip
+    mine = slice(layer.experts.first, layer.experts.first + EXPERTS // world)
+    local = {k: v[mine] if k.startswith("experts") else v for k, v in full.items()}
+    for form, state in (("full", full), ("local", local), ("dtensor", layer.state_dict())):
+        other = mx.ExpertParallelMoE(HIDDEN, FFN, EXPERTS, TOP_K, exchange="bf16", seed=2)
+        other.load_state_dict(state)
+        out[form] = all(torch.equal(getattr(other.experts, n), full[f"experts.{n}"][mine])
+                        for n in ("w1", "w2"))  # fmt: skip
+    try:
+        layer.load_state_dict({**full, "experts.w1": full["experts.w1"][:, :, :4]})
+    except RuntimeError as err:
+        out["wrong shape"] = str(err)
+    try:
+        mx.prepare_optimizer(torch.nn.Linear(2, 2), torch.optim.SGD([layer.router]))
+    except ValueError as err:
+        out["no layer"] = str(err)
+    try:
+        mx.load_full_state_dict(layer, {**full, "experts.w2": full["experts.w2"][:2]})
+    except ValueError as err:
+        out["partial"] = str(err)
+    return out

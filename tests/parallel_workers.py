@@ -101,7 +101,7 @@ def checkpoint_round_trip(state: dict) -> dict | None:
     layer = mx.ExpertParallelMoE(HIDDEN, FFN, EXPERTS, TOP_K, seed=11)
     mx.load_full_state_dict(layer, {k: torch.from_numpy(v) for k, v in state.items()})
     other = mx.ExpertParallelMoE(HIDDEN, FFN, EXPERTS, TOP_K, seed=12)
-    other.load_state_dict(layer.state_dict())  # the same group size: the plain state dict
+    other.load_state_dict(layer.state_dict())  # (experts as DTensors over the group)
     return mx.full_state_dict(other)
 
 

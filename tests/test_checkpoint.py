@@ -1,7 +1,8 @@
 """Checkpoints of a model with an ExpertParallelMoE layer on gloo: torch.distributed.checkpoint
 round trips (unwrapped, DDP, FSDP2; worlds 1 to 4) keep every rank's experts bit for bit and
-load at another expert-parallel size; full_state_dict / load_full_state_dict take wrapped
-models; full_state_dict called on one rank only says so instead of hanging."""
+load at another expert-parallel size, and so do the experts' optimizer states
+(prepare_optimizer); full_state_dict / load_full_state_dict take wrapped models;
+full_state_dict called on one rank only says so instead of hanging."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from checkpoint_workers import (
     optimizer_load,
     optimizer_save,
     save,
+    state_dict_forms,
 )
 from dist_utils import run_distributed
 
@@ -72,6 +74,7 @@ def test_full_state_dict_of_a_wrapped_model(world, wrap, dp):
         assert got["loaded_differ"] == []
     last = results[-1]
     assert last["differ"] == []
+    assert results[0]["torch_differ"] == []
     assert last["keys"] == ["head", "moe.experts.w1", "moe.experts.w2", "moe.router",
                             "pre.bias", "pre.weight"]  # fmt: skip
 
@@ -120,3 +123,11 @@ def test_optimizer_state_round_trip(tmp_path, save_at, load_at):
         for start, moments in run_distributed(optimizer_load, world, path, wrap, dp):
             for w, m in zip(want, moments, strict=True):
                 assert np.array_equal(m, w[start : start + len(m)]), (world, wrap, dp)
+
+
+def test_load_state_dict_takes_full_local_and_dtensor_experts():
+    for got in run_distributed(state_dict_forms, 2):
+        assert got["full"] and got["local"] and got["dtensor"]
+        assert "size mismatch for experts.w1" in got["wrong shape"]
+        assert got["no layer"] == "prepare_optimizer: model has no ExpertParallelMoE layer"
+        assert got["partial"] == "state['experts.w2']: expected shape (6, 16, 16), got (2, 16, 16)"

@@ -18,8 +18,17 @@ and under FSDP2. ``load_state_dict`` (a load pre-hook) takes for each expert key
 DTensor, a plain full [E, ...] tensor (this rank's experts sliced out), or a plain local
 [L, ...] tensor (the form of earlier versions, same group size only).
 
+:func:`prepare_optimizer` does the same for the optimizer's states of the experts (Adam's
+moments), which dcp would otherwise also keep from one rank only.
+
 :func:`full_state_dict` / :func:`load_full_state_dict`: the whole model as plain full
-tensors on one rank, for ``torch.save`` (any module, wrapped or not).
+tensors on one rank, for ``torch.save`` (any module, wrapped or not). full_state_dict is a
+collective that first checks every rank has joined (:func:`handshake`): called on one rank
+only, it raises an error naming the fix instead of waiting forever.
+
+On the (ep, dp) mesh under FSDP2: each rank knows only its own two groups, so the grid's
+other cells follow init_device_mesh's layout (rank = offset + i * a + j * b); only this
+rank's own coordinate (always exact) and its groups are used by DTensor and dcp.
 """
 
 from __future__ import annotations
@@ -44,8 +53,6 @@ from ..exchange.agreement import (
     row,
     terms_text,
 )
-
-EXPERT_KEYS = ("experts.w1", "experts.w2")
 
 
 def register_checkpoint_hooks(layer: torch.nn.Module) -> None:
@@ -77,7 +84,8 @@ def _expert_mesh(layer, param: torch.Tensor) -> tuple[DeviceMesh, tuple]:
     # this rank's row (its ep group) and column (its dp group) are exact; the other cells
     # follow the grid of init_device_mesh (rank = offset + i * stride_ep + j * stride_dp)
     grid = torch.tensor([[r + c - me for c in cols] for r in rows], dtype=torch.int)
-    if len(set(grid.flatten().tolist())) != grid.numel() or grid.min() < 0:
+    cells = grid.flatten().tolist()
+    if len(set(cells)) != len(cells) or not 0 <= min(cells) <= max(cells) < dist.get_world_size():
         raise ValueError(
             "ExpertParallelMoE checkpoint: the expert-parallel group and FSDP2's mesh of "
             "replicas do not form a grid of ranks; build both from one "
