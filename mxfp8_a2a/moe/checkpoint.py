@@ -242,7 +242,7 @@ def _wait(what: str, works: list, timeout: float) -> None:
     except RuntimeError as err:  # gloo: "Timed out ...", "Connection closed by peer"
         error = str(err).splitlines()[0].split("] ")[-1].strip()[:160]
     raise RuntimeError(
-        f"{what}: not every rank joined it within {timeout} s ({error}). It is a "
+        f"{what}: not every rank joined it ({error}; waited up to {timeout} s). It is a "
         f"collective: call it on every rank, not only on the rank that saves (it returns "
         f"the state dict on rank dst and None on the others): state = mxfp8_a2a.{what}(model); "
         f"if state is not None: torch.save(state, path)"
