@@ -9,8 +9,8 @@ Layers (one subpackage each):
                  PushBuffer, static_transport (the static dispatch's one-node transport)
     moe       -- dispatch, combine, ExpertParallelMoE; dispatch_static, combine_static
                  (sync-free, fixed shapes), capacity_for, static_rows, check_no_drops;
-                 prepare_ddp, shard_experts (data parallelism), full_state_dict,
-                 load_full_state_dict (checkpoints across group sizes)
+                 prepare_ddp, shard_experts (data parallelism); full_state_dict,
+                 load_full_state_dict, prepare_optimizer (checkpoints, moe/checkpoint.py)
     grouped   -- per_group_colwise_scales, per_group_rowwise_scales (FP8 scaling of jagged
                  tensors for grouped GEMMs), grouped_mm (the experts' grouped GEMMs),
                  fp8_rowwise_weights / Fp8Weights (its FP8 weight casts, made once)
@@ -62,6 +62,7 @@ from .moe import (
     full_state_dict,
     load_full_state_dict,
     prepare_ddp,
+    prepare_optimizer,
     shard_experts,
     static_rows,
 )
@@ -97,6 +98,7 @@ __all__ = [
     "per_group_colwise_scales",
     "per_group_rowwise_scales",
     "prepare_ddp",
+    "prepare_optimizer",
     "quantize",
     "quantize_dequantize",
     "quantize_dequantize_reference",

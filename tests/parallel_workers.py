@@ -83,7 +83,9 @@ def train(
         full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
         routers = [torch.empty_like(full(net.moe.router)) for _ in range(world)]
         dist.all_gather(routers, full(net.moe.router).detach().contiguous())
-        layer = mx.full_state_dict(net.moe)  # every ep group gathers on its rank 0
+        layer = None
+        for replica in range(dp):  # each expert-parallel group's layer on its first rank
+            layer = mx.full_state_dict(net.moe, dst=replica * ep) or layer
         layers = [None] * world
         dist.all_gather_object(layers, layer)
         result = {"loss": curve, "routers": routers, "layers": [s for s in layers if s]}
@@ -99,7 +101,7 @@ def checkpoint_round_trip(state: dict) -> dict | None:
     layer = mx.ExpertParallelMoE(HIDDEN, FFN, EXPERTS, TOP_K, seed=11)
     mx.load_full_state_dict(layer, {k: torch.from_numpy(v) for k, v in state.items()})
     other = mx.ExpertParallelMoE(HIDDEN, FFN, EXPERTS, TOP_K, seed=12)
-    other.load_state_dict(layer.state_dict())  # the same group size: the plain state dict
+    other.load_state_dict(layer.state_dict())  # (experts as DTensors over the group)
     return mx.full_state_dict(other)
 
 

@@ -67,7 +67,7 @@ def _close(got, want, tol: dict, what: str) -> None:
 @pytest.mark.parametrize("world", [2, 4])
 def test_checkpoint_moves_between_group_sizes(world):
     """A full state dict written at world 1 loads at world 2 and 4 (each rank its experts),
-    round-trips through the local state_dict and gathers back to the same tensors."""
+    round-trips through state_dict and gathers back to the same tensors."""
     state = _reference("bf16", False)["layers"][0]
     back = _runs(world)[0][-1]
     assert set(back) == set(state)

@@ -2,10 +2,11 @@
 sync-free), a layer built on them, and its data parallelism and checkpoints."""
 
 from ..exchange.wires import EXCHANGES
+from .checkpoint import full_state_dict, load_full_state_dict, prepare_optimizer
 from .dispatch import DispatchHandle, combine, dispatch
 from .experts import GroupedExperts
 from .layer import ExpertParallelMoE, route
-from .parallel import full_state_dict, load_full_state_dict, prepare_ddp, shard_experts
+from .parallel import prepare_ddp, shard_experts
 from .static_dispatch import (
     StaticHandle,
     capacity_for,
@@ -30,6 +31,7 @@ __all__ = [
     "full_state_dict",
     "load_full_state_dict",
     "prepare_ddp",
+    "prepare_optimizer",
     "route",
     "shard_experts",
     "static_rows",

@@ -20,6 +20,7 @@ from ..exchange.push import PushBuffer, static_transport
 from ..exchange.transport import Transport
 from ..exchange.wires import Wires, layer_wires
 from ..grouped.gemm import PRECISIONS
+from .checkpoint import register_checkpoint_hooks
 from .dispatch import combine, dispatch, dispatch_reporting
 from .experts import GroupedExperts, draw_expert
 from .static_dispatch import STAT_NAMES, capacity_for, combine_static, dispatch_static
@@ -48,9 +49,12 @@ class ExpertParallelMoE(torch.nn.Module):
     the other ranks' (different) experts: wrap the model with
     :func:`mxfp8_a2a.moe.prepare_ddp` before DistributedDataParallel, or shard ``experts`` on
     their own with FSDP2 (:func:`mxfp8_a2a.moe.shard_experts`); both make the update that of
-    the mean loss over all ranks. Checkpoints: ``state_dict()`` holds this rank's experts
-    (load it at the same group size); :func:`mxfp8_a2a.moe.full_state_dict` and
-    :func:`mxfp8_a2a.moe.load_full_state_dict` move a checkpoint between group sizes.
+    the mean loss over all ranks. Checkpoints: ``state_dict()`` presents ``experts.w1`` /
+    ``experts.w2`` as DTensors [num_experts, ...] sharded over ``group`` (on this rank's
+    experts' storage), so torch.distributed.checkpoint saves every expert and loads at any
+    group size; :func:`mxfp8_a2a.moe.full_state_dict` and
+    :func:`mxfp8_a2a.moe.load_full_state_dict` give plain full tensors (see
+    :mod:`mxfp8_a2a.moe.checkpoint`).
 
     Forward: x [..., hidden] -> the same shape (leading dimensions flattened into tokens).
     ``exchange`` picks the wire of each leg of dispatch and combine (forward and backward):
@@ -162,6 +166,7 @@ class ExpertParallelMoE(torch.nn.Module):
         local = num_experts // world
         self.experts = GroupedExperts(hidden, ffn, rank * local, local, precision=precision,
                                       seed=seed, device=device, dtype=dtype)  # fmt: skip
+        register_checkpoint_hooks(self)  # experts as DTensors [E, ...] in state_dict()
 
     @property
     def exchange(self) -> str | Wires:

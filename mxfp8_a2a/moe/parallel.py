@@ -1,4 +1,4 @@
-"""Data parallelism and checkpoints for models with ExpertParallelMoE layers.
+"""Data parallelism for models with ExpertParallelMoE layers (checkpoints: checkpoint.py).
 
 A layer's experts differ between the ranks of its expert-parallel group, so a data-parallel
 wrapper must not average them with the rest of the model. Two ways, both giving the update
@@ -122,52 +122,3 @@ def shard_experts(model: torch.nn.Module, replicas: DeviceMesh, **fsdp_kwargs) -
         layer.experts.grad_scale = replicas.size() / ranks
         layer.experts.data_parallel = "fsdp2"
     return model
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t  # an FSDP2 DTensor
-
-
-@torch.no_grad()
-def full_state_dict(layer: ExpertParallelMoE, dst: int = 0) -> dict[str, torch.Tensor] | None:
-    """Every expert of ``layer`` gathered on rank ``dst`` of its group (a collective: call on
-    every rank): {"router": [H, E], "experts.w1": [E, H, F], "experts.w2": [E, F, H]} on CPU
-    there, None on the other ranks. Loads at any group size with
-    :func:`load_full_state_dict`. Memory on ``dst``: the whole layer."""
-    group = layer.group
-    world = dist.get_world_size(group)
-    if not 0 <= dst < world:
-        raise ValueError(f"dst must be a rank of the layer's group [0, {world}), got {dst}")
-    out = {"router": _full(layer.router).detach().cpu()}
-    mine = dist.get_rank(group) == dst
-    for name in ("w1", "w2"):
-        local = _full(getattr(layer.experts, name)).detach().contiguous()
-        parts = [torch.empty_like(local) for _ in range(world)] if mine else None
-        dist.gather(local, parts, dst=dist.get_global_rank(group, dst) if group else dst,
-                    group=group)  # fmt: skip
-        if mine:
-            out[f"experts.{name}"] = torch.cat(parts).cpu()
-    return out if mine else None
-
-
-@torch.no_grad()
-def load_full_state_dict(layer: ExpertParallelMoE, state: dict[str, torch.Tensor]) -> None:
-    """Load a :func:`full_state_dict` (any group size) into ``layer``: the router, and this
-    rank's experts' slice. Local only (no collective); call before FSDP2 sharding."""
-    w1 = layer.experts.w1
-    if hasattr(w1, "full_tensor"):
-        raise RuntimeError("load_full_state_dict: load before shard_experts / fully_shard")
-    count, hidden, ffn = w1.shape
-    want = {
-        "router": (hidden, layer.num_experts),
-        "experts.w1": (layer.num_experts, hidden, ffn),
-        "experts.w2": (layer.num_experts, ffn, hidden),
-    }
-    for key, shape in want.items():
-        if key not in state or tuple(state[key].shape) != shape:
-            got = tuple(state[key].shape) if key in state else "missing"
-            raise ValueError(f"state[{key!r}]: expected shape {shape}, got {got}")
-    mine = slice(layer.experts.first, layer.experts.first + count)
-    layer.router.copy_(state["router"])
-    layer.experts.w1.copy_(state["experts.w1"][mine])
-    layer.experts.w2.copy_(state["experts.w2"][mine])
