@@ -8,7 +8,8 @@ Layers (one subpackage each):
                  compute_output_splits; transports: "nccl" (default), CopyEngineTransport;
                  PushBuffer, static_transport (the static dispatch's one-node transport)
     moe       -- dispatch, combine, ExpertParallelMoE; dispatch_static, combine_static
-                 (sync-free, fixed shapes), capacity_for, static_rows, check_no_drops;
+                 (sync-free, fixed shapes), capacity_for, static_rows, check_no_drops,
+                 STAT_NAMES (the names of the static dispatch's stats, in order);
                  prepare_ddp, shard_experts (data parallelism), full_state_dict,
                  load_full_state_dict (checkpoints across group sizes)
     grouped   -- per_group_colwise_scales, per_group_rowwise_scales (FP8 scaling of jagged
@@ -47,6 +48,7 @@ from .grouped import (
     per_group_rowwise_scales,
 )
 from .moe import (
+    STAT_NAMES,
     ExpertParallelMoE,
     StaticHandle,
     capacity_for,
@@ -63,6 +65,7 @@ from .moe import (
 )
 
 __all__ = [
+    "STAT_NAMES",
     "CopyEngineTransport",
     "ExpertParallelMoE",
     "Fp8Weights",

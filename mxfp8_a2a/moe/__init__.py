@@ -6,6 +6,7 @@ from .experts import GroupedExperts
 from .layer import ExpertParallelMoE, route
 from .parallel import full_state_dict, load_full_state_dict, prepare_ddp, shard_experts
 from .static_dispatch import (
+    STAT_NAMES,
     StaticHandle,
     capacity_for,
     check_no_drops,
@@ -19,6 +20,7 @@ __all__ = [
     "DispatchHandle",
     "ExpertParallelMoE",
     "GroupedExperts",
+    "STAT_NAMES",
     "StaticHandle",
     "capacity_for",
     "check_no_drops",
