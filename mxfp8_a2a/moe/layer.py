@@ -113,7 +113,7 @@ class ExpertParallelMoE(torch.nn.Module):
         and router and hold different experts (a data-parallel wrapper that broadcast or
         averaged them, i.e. DistributedDataParallel without :func:`mxfp8_a2a.prepare_ddp`,
         or fully_shard without :func:`mxfp8_a2a.shard_experts`), raising the same error on
-        every rank.
+        every rank. A layer only ever called compiled skips it: run one eager forward first.
 
         Gradients are local: the router's from this rank's tokens, an expert's from every
         token routed to it by the group. Under data parallelism the experts must not be

@@ -193,6 +193,7 @@ def first_forward_check(layer, x, problem: str | None) -> None:
         raise ValueError(
             f"{WHAT}: the experts are the same on every rank of the group, but each rank "
             "holds its own: a data-parallel wrapper overwrote them (DistributedDataParallel "
-            "broadcasts rank 0's at construction unless prepare_ddp excluded them); " + _DDP_FIX
+            "broadcasts rank 0's unless prepare_ddp excluded them; fully_shard of the whole "
+            "model gathers one set for every rank unless shard_experts sharded them); " + _DDP_FIX
         )
     layer._checked = True
