@@ -184,3 +184,18 @@ def push_buffer_device_on_one_rank(rank, world):
                    r"push_unavailable: rank \d: device='bogus:0'")  # fmt: skip
     assert mx.static_transport(None, H, 2 * world, capacity=4, device="cpu") == "nccl"
     return [a, b]
+
+
+def layer_configs_differ(rank, world):
+    """Layers built differently on one rank (capacity, hidden, exchange): the first forward
+    raises the same error on every rank, before any dispatch."""
+    last = rank == world - 1
+    out = []
+    for kw, hidden, match in [
+        ({"capacity": 8 + last}, H, r"ExpertParallelMoE: capacity differs between ranks"),
+        ({}, 96 if last else H, r"ExpertParallelMoE: hidden differs between ranks"),
+        ({"exchange": "bf16" if last else "mxfp8"}, H, r"exchange differs between ranks"),
+    ]:
+        layer = mx.ExpertParallelMoE(hidden, 32, 2 * world, 2, seed=0, **kw)
+        out.append(same_error(lambda a=layer, h=hidden: a(torch.randn(4, h)), match))
+    return out

@@ -14,6 +14,7 @@ from dist_utils import run_distributed
 from layer_check_workers import (
     ddp_mistakes,
     fsdp_without_shard_experts,
+    layer_configs_differ,
     push_buffer_device_on_one_rank,
     seeds,
     static_agrees_once,
@@ -107,6 +108,10 @@ def test_ddp_mistakes_raise_on_every_rank(world):
 
 def test_fully_shard_without_shard_experts_raises_on_every_rank():
     run_distributed(fsdp_without_shard_experts, 2)
+
+
+def test_layers_built_differently_raise_on_every_rank():
+    run_distributed(layer_configs_differ, 2)
 
 
 def test_ranks_seeded_differently_raise_on_every_rank():
