@@ -131,6 +131,9 @@ def static_sizes_differ(rank, world):
     x, ids, args = _case(rank, world)
     exchange = "bf16" if last else "mxfp8"
     out.append(same_error(lambda: _dispatch(x, ids, args, exchange=exchange), "exchange differs"))
+    transport = "gloo" if last else "nccl"
+    match = r"rank\(s\) \[\d\].*transport must be 'nccl' or a PushBuffer"
+    out.append(same_error(lambda: _dispatch(x, ids, args, transport=transport), match))
     _dispatch(x, ids, args)  # the group still works
     return out
 

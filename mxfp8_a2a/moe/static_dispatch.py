@@ -265,9 +265,9 @@ def dispatch_static(
     capture not at all: run one eager call first. A change on one rank only after the
     ranks agreed is caught there alone: pass validate=True to catch it everywhere.
     """
-    group, push, world = _carrier(group, transport)
-    error, text = None, ""
+    error, text, push = None, "", None
     try:  # (a rank's error travels in the agreement: raised on every rank that joins it)
+        group, push, world = _carrier(group, transport)
         _check(x, topk_ids, num_experts, world, capacity, align, exchange, scaling_mode, group)
         if push is not None:
             columns = counts_columns(num_experts // world)
@@ -275,7 +275,9 @@ def dispatch_static(
         text = agree.terms(x.shape[1], x.dtype, num_experts, world, capacity, exchange,
                            scaling_mode, push)  # fmt: skip
     except (TypeError, ValueError) as e:
-        error = e
+        if push is None and not dist.is_initialized():  # (no group to tell)
+            raise
+        error, world = e, (push.world if push is not None else group_rank_and_size(group)[1])
     x = agree.agree_static(text, error, group, push, world, validate, x)
     rows_of, sent, stats = send_plan(topk_ids, num_experts, world, capacity)
     rows_of, recv, stats = _exchange_counts(rows_of, sent.to(x.device), stats, num_experts,
