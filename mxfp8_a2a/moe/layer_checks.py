@@ -7,7 +7,8 @@ together can see, in one small all_gather (exchange/agreement.py's rows):
 - the routers are the same on every rank (ranks seeded differently build different ones);
 - the experts differ between the ranks (each rank holds its own): experts equal on every
   rank mean a data-parallel wrapper broadcast or gathered them (DistributedDataParallel
-  without prepare_ddp, or fully_shard of the whole model without shard_experts);
+  without prepare_ddp, or fully_shard of the whole model without shard_experts; not
+  checked after shard_experts, whose shards may be empty);
 - no DistributedDataParallel manages the experts (where torch exposes the DDP module
   running the forward; private, looked up with getattr: the digests above are the public
   fallback) and no FSDP2 shards them unless :func:`shard_experts` did.
@@ -174,10 +175,14 @@ def first_forward_check(layer, x, problem: str | None) -> None:
     call it). ``problem``: this rank's error with x, or None. Raises the same ValueError on
     every rank, or marks the layer checked."""
     error = problem or _own_finding(layer)
-    extra = [0] * 6
+    extra = [0] * 7
     if error is None:
         status, text = agreement.FINE, _terms(layer, x)
-        extra = _digest(layer.router) + _digest(layer.experts.w1) + _digest(layer.experts.w2)
+        router = layer.router  # (a sharded one, still a DTensor: its shards differ)
+        extra = [0, 0] if hasattr(router, "to_local") else _digest(router)
+        extra += _digest(layer.experts.w1) + _digest(layer.experts.w2)
+        # shard_experts' FSDP2 shards may be empty (fewer experts than replicas): no digest
+        extra.append(int(getattr(layer.experts, "data_parallel", None) == "fsdp2"))
     else:
         status, text = agreement.BAD_ARGUMENTS, error
     rows = agreement.gather_rows(agreement.row(status, text, extra), layer.group)
@@ -189,7 +194,7 @@ def first_forward_check(layer, x, problem: str | None) -> None:
             "from different seeds); call torch.manual_seed(s) with the same s on every rank "
             "before building the model, or pass the same seed= on every rank"
         )
-    if len({tuple(r[3:7]) for r in rows}) == 1:
+    if len({tuple(r[3:7]) for r in rows}) == 1 and not any(r[7] for r in rows):
         raise ValueError(
             f"{WHAT}: the experts are the same on every rank of the group, but each rank "
             "holds its own: a data-parallel wrapper overwrote them (DistributedDataParallel "
