@@ -149,46 +149,48 @@ def _digest(t: torch.Tensor) -> list[int]:
     return sums.cpu().view(torch.int64).tolist()
 
 
-def _own_finding(layer) -> str | None:
-    """What this rank alone sees wrong with how the layer's experts are wrapped."""
+_FINDINGS = {  # what a rank alone can see wrong with how the experts are wrapped
+    1: "the experts are DTensors (fully_shard) that mx.shard_experts did not shard: a "
+    "whole-model fully_shard mixes the ranks' different experts",
+    2: "DistributedDataParallel averages this layer's experts with the other ranks' "
+    "(different) experts",
+}
+
+
+def _own_finding(layer) -> int:
+    """This rank's _FINDINGS key (0: none)."""
     experts = layer.experts
     if hasattr(experts.w1, "to_local") and getattr(experts, "data_parallel", None) != "fsdp2":
-        return (
-            "the experts are DTensors (fully_shard), but mx.shard_experts did not shard them: "
-            f"a whole-model fully_shard mixes the ranks' different experts; {_DDP_FIX}"
-        )
+        return 1
     from torch.nn.parallel import DistributedDataParallel
 
     ddp = getattr(DistributedDataParallel, "_active_ddp_module", None)  # (private; gated)
     managed = getattr(ddp, "_module_parameters", None) or ()
     mine = {id(p) for p in experts.parameters()}
-    if any(id(p) in mine for p in managed):
-        return (
-            "DistributedDataParallel averages this layer's experts with the other ranks' "
-            f"(different) experts: {_DDP_FIX}"
-        )
-    return None
+    return 2 if any(id(p) in mine for p in managed) else 0
 
 
 def first_forward_check(layer, x, problem: str | None) -> None:
     """The module docstring's check (a collective on the layer's group; every rank must
     call it). ``problem``: this rank's error with x, or None. Raises the same ValueError on
     every rank, or marks the layer checked."""
-    error = problem or _own_finding(layer)
-    extra = [0] * 7
-    if error is None:
+    extra = [0] * 8
+    if problem is None:
         status, text = agreement.FINE, _terms(layer, x)
         router = layer.router  # (a sharded one, still a DTensor: its shards differ)
         extra = [0, 0] if hasattr(router, "to_local") else _digest(router)
         extra += _digest(layer.experts.w1) + _digest(layer.experts.w2)
         # shard_experts' FSDP2 shards may be empty (fewer experts than replicas): no digest
         extra.append(int(getattr(layer.experts, "data_parallel", None) == "fsdp2"))
+        extra.append(_own_finding(layer))
     else:
-        status, text = agreement.BAD_ARGUMENTS, error
+        status, text = agreement.BAD_ARGUMENTS, problem
     rows = agreement.gather_rows(agreement.row(status, text, extra), layer.group)
     agreement.check_rows(WHAT, rows, len(extra))
-    routers = {tuple(r[1:3]) for r in rows}
-    if len(routers) > 1:
+    for key, finding in _FINDINGS.items():
+        if ranks := [rank for rank, r in enumerate(rows) if r[8] == key]:
+            raise ValueError(f"{WHAT}: {finding} (seen on rank(s) {ranks}); {_DDP_FIX}")
+    if len({tuple(r[1:3]) for r in rows}) > 1:
         raise ValueError(
             f"{WHAT}: the router differs between the ranks of the group (the ranks built it "
             "from different seeds); call torch.manual_seed(s) with the same s on every rank "
