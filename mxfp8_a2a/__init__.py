@@ -8,7 +8,8 @@ Layers (one subpackage each):
                  compute_output_splits; transports: "nccl" (default), CopyEngineTransport;
                  PushBuffer, static_transport (the static dispatch's one-node transport)
     moe       -- dispatch, combine, ExpertParallelMoE; dispatch_static, combine_static
-                 (sync-free, fixed shapes), capacity_for, static_rows, check_no_drops;
+                 (sync-free, fixed shapes), capacity_for, static_rows, check_no_drops,
+                 STAT_NAMES (the names of the static dispatch's stats, in order);
                  prepare_ddp, shard_experts (data parallelism); full_state_dict,
                  load_full_state_dict, prepare_optimizer (checkpoints, moe/checkpoint.py)
     grouped   -- per_group_colwise_scales, per_group_rowwise_scales (FP8 scaling of jagged
@@ -51,6 +52,7 @@ from .grouped import (
 )
 from .moe import (
     EXCHANGES,
+    STAT_NAMES,
     ExpertParallelMoE,
     StaticHandle,
     capacity_for,
@@ -70,6 +72,7 @@ from .moe import (
 __all__ = [
     "EXCHANGES",
     "PRECISIONS",
+    "STAT_NAMES",
     "CopyEngineTransport",
     "ExpertParallelMoE",
     "Fp8Weights",

@@ -23,7 +23,7 @@ class Net(torch.nn.Module):
         with torch.no_grad():
             self.pre.weight.copy_(torch.randn(HIDDEN, HIDDEN, generator=g) * HIDDEN**-0.5)
             self.pre.bias.zero_()
-        kw = {"capacity_factor": float(EXPERTS)} if static else {}  # (dropless)
+        kw = {"capacity_factor": float(EXPERTS), "max_tokens": TOKENS} if static else {}
         self.moe = mx.ExpertParallelMoE(HIDDEN, FFN, EXPERTS, TOP_K, group, exchange=exchange,
                                         seed=3, **kw)  # fmt: skip
         self.head = torch.nn.Parameter(torch.randn(HIDDEN, 4, generator=g) * HIDDEN**-0.5)

@@ -41,7 +41,7 @@ def push_equals_nccl(rank, world, backend, seed, exchange):
     grads = []
     for transport in ("nccl", "auto"):
         layer = mx.ExpertParallelMoE(HIDDEN, 32, experts, top_k, exchange=exchange, capacity=12,
-                                     transport=transport, device=dev)  # fmt: skip
+                                     transport=transport, device=dev, seed=seed)  # fmt: skip
         pushes = isinstance(layer.transport, push.PushBuffer)
         assert pushes == (transport == "auto" and dev.type == "cuda")  # (the rule)
         assert not pushes or layer.transport.capacity == 12

@@ -20,7 +20,8 @@ def _layer(exchange, precision):
 
     s = SHAPE
     layer = ExpertParallelMoE(s["hidden"], s["ffn"], s["experts"], s["top_k"], exchange=exchange,
-                              precision=precision, capacity_factor=1.5, seed=3)  # fmt: skip
+                              precision=precision, capacity_factor=1.5, max_tokens=s["tokens"],
+                              seed=3)  # fmt: skip
     return layer.cuda().to(torch.bfloat16)
 
 

@@ -47,7 +47,7 @@ def test_layer_takes_presets_and_checks_hidden():
         layer = mx.ExpertParallelMoE(64, 32, 4, 2, exchange="mxfp8_to_experts")
         assert layer.wires == mx.WIRE_PRESETS["mxfp8_to_experts"]
         layer(torch.randn(6, 64)).sum().backward()
-        with pytest.raises(ValueError, match="multiple of 32 for an MXFP8 leg"):
+        with pytest.raises(ValueError, match="multiple of 32"):
             mx.ExpertParallelMoE(48, 32, 4, 2, exchange="mxfp8_to_experts")
         mx.ExpertParallelMoE(48, 32, 4, 2, exchange="bf16")
         with pytest.raises(ValueError, match="exchange must be a preset"):

@@ -50,7 +50,7 @@ import triton.language as tl
 
 from .. import _config
 from .._common import next_pow2
-from .push_rule import _device, _gather, _symm_mem, _this_rank, _verdict, push_unavailable
+from .push_rule import _device, _gather, _probe, _symm_mem, _verdict, push_unavailable
 from .rows import wire_row
 from .wires import layer_wires, leg_pair
 
@@ -116,8 +116,7 @@ def static_transport(
     ``sizes``: tokens, top_k, capacity, exchange, dtype, spin_limit) when
     :func:`push_unavailable` finds nothing against it (every rank on one host, CUDA, peer
     access, torch symmetric memory), else "nccl". A collective; the same answer on every
-    rank."""
-    device = _device(device)
+    rank (a ``device`` one rank cannot use raises on every rank)."""
     if push_unavailable(group, device) is None:
         return PushBuffer(group, hidden, num_experts, device=device, **sizes)
     return "nccl"
@@ -169,15 +168,17 @@ class PushBuffer:
         device: torch.device | str | None = None,
         spin_limit: int | None = None,
     ):
-        device = _device(device)
         world = dist.get_world_size(group)
+        device, me, mine = _probe(device)
+        mine = mine, None
         try:  # (checked everywhere before any rank acts on it: one gather, one answer)
             self._layout(world, hidden, num_experts, tokens, top_k, capacity, exchange, dtype)
             self._check_spin_limit(spin_limit)
-            mine = None, (self.capacity, self.row_bytes, self.count_columns, self.nbytes)
+            if mine[0] is None:
+                mine = None, (self.capacity, self.row_bytes, self.count_columns, self.nbytes)
         except (TypeError, ValueError) as e:
-            mine = str(e), None
-        peers = _gather(group, (_this_rank(device), *mine))
+            mine = mine[0] or str(e), None
+        peers = _gather(group, (me, *mine))
         errors = [f"rank {r}: {e}" for r, (_, e, _) in enumerate(peers) if e]
         why = _verdict([p[0] for p in peers])
         sizes = [p[2] for p in peers]
@@ -211,6 +212,8 @@ class PushBuffer:
         """W ranks' buffers in this process (plain tensors on ``device``): rank r's calls
         must run concurrently with the others' (one stream per rank; a CUDA GPU), e.g. to
         test the protocol on one GPU. ``sizes``: tokens, top_k, capacity, exchange, dtype."""
+        if type(world) is not int or world < 1:
+            raise ValueError(f"PushBuffer.emulated: world must be an int >= 1, got {world!r}")
         unknown = set(sizes) - {"tokens", "top_k", "capacity", "exchange", "dtype"}
         if unknown:
             raise TypeError(f"PushBuffer.emulated got unexpected arguments {sorted(unknown)}")

@@ -63,11 +63,32 @@ def _verdict(peers: list) -> str | None:
     return "; ".join(reasons) or None
 
 
+def _probe(device) -> tuple[torch.device | None, tuple, str | None]:
+    """(the device, _this_rank of it, None), or (None, a placeholder, the error) where
+    ``device`` is not one this process can use: gathered, so every rank raises alike."""
+    try:
+        dev = _device(device)
+        return dev, _this_rank(dev), None
+    except Exception as e:  # (a bad device string, CUDA absent: this rank's alone)
+        return None, (socket.gethostname(), None, None), f"device={device!r}: {e}"
+
+
+def device_errors(errors: list) -> str | None:
+    """The ranks' device errors (each rank's _probe error in ``errors``) as one text."""
+    bad = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
+    return "; ".join(bad) + "; pass a device every rank can use" if bad else None
+
+
 def push_unavailable(
     group: dist.ProcessGroup | None, device: torch.device | str | None = None
 ) -> str | None:
     """Why the push transport cannot serve ``group`` on ``device`` (None: it can): every rank
     on one host, on a GPU of its own, with peer access to every GPU its process sees, and
     torch symmetric memory present. A collective (all_gather_object) when the group has more
-    than one rank; the same answer on every rank."""
-    return _verdict(_gather(group, _this_rank(_device(device))))
+    than one rank; the same answer on every rank. A ``device`` that one rank cannot use
+    raises the same ValueError on every rank."""
+    _, me, error = _probe(device)
+    peers = _gather(group, (me, error))
+    if (problem := device_errors([e for _, e in peers])) is not None:
+        raise ValueError(f"push_unavailable: {problem}")
+    return _verdict([p for p, _ in peers])

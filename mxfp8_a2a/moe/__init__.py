@@ -8,6 +8,7 @@ from .experts import GroupedExperts
 from .layer import ExpertParallelMoE, route
 from .parallel import prepare_ddp, shard_experts
 from .static_dispatch import (
+    STAT_NAMES,
     StaticHandle,
     capacity_for,
     check_no_drops,
@@ -21,6 +22,7 @@ __all__ = [
     "DispatchHandle",
     "ExpertParallelMoE",
     "GroupedExperts",
+    "STAT_NAMES",
     "StaticHandle",
     "capacity_for",
     "check_no_drops",

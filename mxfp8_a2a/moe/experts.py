@@ -10,6 +10,7 @@ dtype, and every expert-parallel size builds the same model.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from collections.abc import Iterator
 
 import torch
@@ -23,7 +24,9 @@ def expert_generator(seed: int, index: int) -> torch.Generator:
     """The CPU generator of expert ``index`` (global) of a layer built with ``seed``."""
     if not 0 <= seed < 2**31:
         raise ValueError(f"seed must be in [0, 2**31), got {seed}")
-    return torch.Generator().manual_seed(seed * 2**32 + 1 + index)
+    # a CPU generator keeps only the low 32 bits of its seed: a hash of both mixes them in
+    digest = hashlib.blake2b(f"expert {seed} {index}".encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
 
 
 def draw_expert(hidden: int, ffn: int, seed: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:

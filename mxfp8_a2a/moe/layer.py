@@ -20,10 +20,12 @@ from ..exchange.push import PushBuffer, static_transport
 from ..exchange.transport import Transport
 from ..exchange.wires import Wires, layer_wires
 from ..grouped.gemm import PRECISIONS
+from . import layer_checks as checks
+from . import static_agree
 from .checkpoint import register_checkpoint_hooks
 from .dispatch import combine, dispatch, dispatch_reporting
 from .experts import GroupedExperts, draw_expert
-from .static_dispatch import STAT_NAMES, capacity_for, combine_static, dispatch_static
+from .static_dispatch import STAT_NAMES, combine_static, dispatch_static
 
 
 def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,54 +36,18 @@ def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]
 
 
 class ExpertParallelMoE(torch.nn.Module):
-    """A MoE layer with experts spread over the ranks of ``group`` (a ProcessGroup or a 1-D
-    DeviceMesh; default: the world).
+    """A MoE layer with experts spread over the ranks of a group: a softmax top-k router,
+    dispatch to the experts' ranks, gelu expert MLPs as grouped GEMMs, combine.
 
     Parameters: ``router`` [hidden, num_experts] (a Parameter; logits = x @ router, no bias),
-    meant to be the same on every rank; ``experts`` (:class:`GroupedExperts`): this rank's
+    the same on every rank; ``experts`` (:class:`GroupedExperts`): this rank's
     L = num_experts / world experts only, gelu MLPs hidden -> ffn -> hidden, w1 [L, hidden,
-    ffn] and w2 [L, ffn, hidden] (also reachable as ``layer.w1`` / ``layer.w2``). They are
-    built on ``device`` in ``dtype`` (default fp32), in memory for the local experts only:
-    expert e is drawn from a generator seeded by (``seed``, e), the router from ``seed``.
-
-    Gradients are local: the router's from this rank's tokens, an expert's from every token
-    routed to it by the group. Under data parallelism the experts must not be averaged with
-    the other ranks' (different) experts: wrap the model with
-    :func:`mxfp8_a2a.moe.prepare_ddp` before DistributedDataParallel, or shard ``experts`` on
-    their own with FSDP2 (:func:`mxfp8_a2a.moe.shard_experts`); both make the update that of
-    the mean loss over all ranks. Checkpoints: ``state_dict()`` presents ``experts.w1`` /
-    ``experts.w2`` as DTensors [num_experts, ...] sharded over ``group`` (on this rank's
-    experts' storage), so torch.distributed.checkpoint saves every expert and loads at any
-    group size; :func:`mxfp8_a2a.moe.full_state_dict` and
-    :func:`mxfp8_a2a.moe.load_full_state_dict` give plain full tensors (see
-    :mod:`mxfp8_a2a.moe.checkpoint`).
+    ffn] and w2 [L, ffn, hidden] (also reachable as ``layer.w1`` / ``layer.w2``).
 
     Forward: x [..., hidden] -> the same shape (leading dimensions flattened into tokens).
-    ``exchange`` picks the wire of each leg of dispatch and combine (forward and backward):
-    "mxfp8" (every leg MXFP8), "mxfp8_to_experts" (MXFP8 only toward the experts: dispatch
-    forward and combine backward; bf16 back to the tokens), "bf16" (every leg unquantized,
-    in the activations' dtype: fp32 activations travel as fp32), or a :class:`Wires` of four
-    legs; wire bytes per preset in :mod:`mxfp8_a2a.exchange.wires`. ``transport`` how the
-    MXFP8 exchanges move rows ("nccl" or a Transport object, see :func:`dispatch`; for the
-    static dispatch "nccl", a :class:`mxfp8_a2a.PushBuffer` or "auto": with ``capacity``
-    given, a PushBuffer of that capacity where :func:`mxfp8_a2a.static_transport`'s rule
-    allows (sized for rows of ``dtype``; ``layer.transport.free()`` releases it), else NCCL;
-    with ``capacity_factor``, NCCL).
-    ``precision`` picks the experts' grouped GEMMs: "bf16" (unscaled, in the activations'
-    dtype), "fp8_rowwise" (e4m3 operands with rowwise fp32 scales on sm_90+ GPUs, the
-    plain-torch reference on CPU; hidden and ffn multiples of 16) or "fp8_rowwise_gw_hp" (the
-    same with the weights' gradients unscaled in bf16; bf16 activations).
-
-    ``capacity_factor`` or ``capacity`` (rows per rank pair) switches to the static dispatch
-    (:func:`mxfp8_a2a.dispatch_static`): no host sync, fixed shapes, so the layer's forward
-    and backward can be captured in one CUDA graph or compiled with fullgraph=True; rows
-    past the capacity are dropped (its docstring gives the rule). ``capacity_factor`` sets
-    ceil(factor * T * top_k / W) from the T of each call (every rank must then pass the
-    same T). ``align``: rows per expert block rounded up to it. The buffer
-    ``dispatch_stats`` (int64 [4], on the layer's device) accumulates the rows dropped, the
-    largest capacity needed, the ids out of range and a num_experts that differs between
-    ranks (STAT_NAMES), without a sync;
-    ``mx.check_no_drops(layer.dispatch_stats, group)`` reads it where the caller chooses.
+    The constructor's documentation (``help(ExpertParallelMoE.__init__)``) lists every
+    argument; :meth:`read_dispatch_stats` and :meth:`reset_dispatch_stats` read and clear
+    the static dispatch's drop counts.
     """
 
     def __init__(
@@ -95,54 +61,99 @@ class ExpertParallelMoE(torch.nn.Module):
         exchange: str | Wires = "mxfp8",
         transport: str | Transport | PushBuffer = "nccl",
         precision: str = "bf16",
-        seed: int = 0,
+        seed: int | None = None,
         capacity_factor: float | None = None,
         capacity: int | None = None,
+        max_tokens: int | None = None,
         align: int = 16,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ):
+        """Build the router and this rank's experts (on ``device`` in ``dtype``, default
+        fp32; in memory for the local experts only).
+
+        Args:
+            hidden, ffn: the model and expert MLP widths (ints >= 1; hidden a multiple of
+                32 for any MXFP8 leg; both multiples of 16 for the FP8 precisions).
+            num_experts: total experts, a multiple of the group size; top_k: experts per
+                token, in [0, num_experts].
+            group: a ProcessGroup or a 1-D DeviceMesh (e.g. mesh["ep"]); default the world.
+            exchange: the wire of each leg of dispatch and combine (forward and backward):
+                "mxfp8" (every leg MXFP8), "mxfp8_to_experts" (MXFP8 only toward the
+                experts: dispatch forward and combine backward; unquantized back to the
+                tokens), "bf16" (every leg unquantized, in the activations' dtype: fp32
+                activations travel as fp32), or a :class:`mxfp8_a2a.Wires` of four legs;
+                wire bytes per preset in :mod:`mxfp8_a2a.exchange.wires`.
+            transport: how the MXFP8 exchanges move rows: "nccl" or a Transport object (see
+                :func:`mxfp8_a2a.dispatch`); for the static dispatch "nccl", a
+                :class:`mxfp8_a2a.PushBuffer` or "auto" (a PushBuffer of the layer's
+                capacity where :func:`mxfp8_a2a.static_transport`'s rule allows, sized for
+                rows of ``dtype``, else NCCL; ``layer.transport.free()`` releases it).
+            precision: the experts' grouped GEMMs: "bf16" (unscaled, in the activations'
+                dtype), "fp8_rowwise" (e4m3 operands with rowwise fp32 scales on sm_90+
+                GPUs, the plain-torch reference on CPU) or "fp8_rowwise_gw_hp" (the same
+                with the weights' gradients unscaled in bf16; bf16 activations).
+            seed: expert e is drawn from a generator seeded by (seed, e), the router from
+                seed, so a given seed builds the same model at every group size. None (the
+                default): the seed is drawn from torch's default generator, so
+                ``torch.manual_seed(s)`` governs the model and two layers built one after
+                the other differ. Every rank must build the same router: call
+                ``torch.manual_seed(s)`` with the same s on every rank before building (or
+                pass the same seed); the first forward raises on every rank if the routers
+                differ.
+            capacity_factor, capacity, max_tokens: either one switches to the static
+                dispatch (:func:`mxfp8_a2a.dispatch_static`): no host sync, fixed shapes,
+                so forward and backward can be captured in one CUDA graph or compiled with
+                fullgraph=True; rows past the capacity (rows per rank pair) are dropped.
+                ``capacity_factor`` needs ``max_tokens`` (the most tokens any rank passes
+                in one call): capacity = capacity_for(max_tokens, top_k, W, factor), the
+                same on every rank whatever each rank's batch. With ``capacity``,
+                ``max_tokens`` is optional. A call with more than max_tokens tokens raises a
+                ValueError. Ranks may pass different numbers of tokens.
+            align: the static dispatch's rows per expert block are rounded up to it.
+            device, dtype: of the parameters.
+
+        Checks at construction: everything the host knows (types, sizes, hidden % 32 for
+        MXFP8, the precision's multiples). At the first forward of a layer on a group of
+        more than one rank (eager, not under CUDA graph capture; once per layer), one
+        small all_gather checks on every rank that the ranks built the same configuration
+        and router and hold different experts (a data-parallel wrapper that broadcast or
+        averaged them, i.e. DistributedDataParallel without :func:`mxfp8_a2a.prepare_ddp`,
+        or fully_shard without :func:`mxfp8_a2a.shard_experts`), raising the same error on
+        every rank. A layer only ever called compiled skips it: run one eager forward first.
+
+        Gradients are local: the router's from this rank's tokens, an expert's from every
+        token routed to it by the group. Under data parallelism the experts must not be
+        averaged with the other ranks' (different) experts: call
+        :func:`mxfp8_a2a.prepare_ddp` on the model before DistributedDataParallel, or
+        :func:`mxfp8_a2a.shard_experts` before fully_shard. Checkpoints: ``state_dict()``
+        presents ``experts.w1`` / ``experts.w2`` as DTensors [num_experts, ...] sharded
+        over ``group`` (on this rank's experts' storage), so torch.distributed.checkpoint
+        saves every expert and loads at any group size; :func:`mxfp8_a2a.full_state_dict`
+        and :func:`mxfp8_a2a.load_full_state_dict` give plain full tensors (see
+        :mod:`mxfp8_a2a.moe.checkpoint`).
+
+        Static dispatch statistics: the buffer ``dispatch_stats`` (int64 [4], on the
+        layer's device, not synced) accumulates, in :data:`mxfp8_a2a.STAT_NAMES`' order,
+        the rows dropped, the largest capacity needed, the ids out of range and a
+        num_experts that differs between ranks; :meth:`read_dispatch_stats` reads it as a
+        dict, :meth:`reset_dispatch_stats` zeroes it and
+        ``mx.check_no_drops(layer.dispatch_stats, group)`` raises on every rank on drops.
+        """
         super().__init__()
-        if isinstance(group, DeviceMesh):
-            if group.ndim != 1:
-                raise ValueError(
-                    f"group: a DeviceMesh must be 1-D (the expert-parallel dimension, e.g. "
-                    f"mesh['ep']), got {group.ndim}-D"
-                )
-            group = group.get_group()
-        for name, value in (("hidden", hidden), ("ffn", ffn), ("num_experts", num_experts)):
-            if type(value) is not int or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        wires = layer_wires(exchange)  # (a ValueError naming the presets)
-        if wires.uses_mxfp8 and hidden % 32:
-            raise ValueError(
-                f"hidden ({hidden}) must be a multiple of 32 for an MXFP8 leg (exchange="
-                f"{exchange!r}: one scale per 32 values); pad it or use exchange='bf16'"
-            )
-        if type(top_k) is not int or not 0 <= top_k <= num_experts:
-            raise ValueError(
-                f"top_k must be an int in [0, num_experts={num_experts}], got {top_k!r}"
-            )
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-        if precision != "bf16" and (hidden % 16 or ffn % 16):
-            raise ValueError(
-                f"precision={precision!r} needs hidden and ffn multiples of 16, got {hidden} "
-                f"and {ffn}"
-            )
+        group = checks.layer_group(group)
         world, rank = dist.get_world_size(group), dist.get_rank(group)
-        if num_experts % world:
-            raise ValueError(
-                f"num_experts ({num_experts}) must be a multiple of the group size ({world})"
-            )
+        capacity = checks.check_construction(
+            hidden, ffn, num_experts, top_k, world, exchange, precision, capacity_factor,
+            capacity, max_tokens, align,
+        )  # fmt: skip
+        wires = layer_wires(exchange)
+        if seed is None:  # torch's default generator decides (torch.manual_seed)
+            seed = int(torch.randint(0, 2**31, (1,)).item())
+        elif type(seed) is not int or not 0 <= seed < 2**31:
+            raise ValueError(f"seed must be in [0, 2**31) or None, got {seed!r}")
         self.num_experts, self.top_k, self.group = num_experts, top_k, group
-        self.static = capacity_factor is not None or capacity is not None
-        if capacity_factor is not None and capacity is not None:
-            raise ValueError("pass capacity_factor or capacity, not both")
-        if capacity_factor is not None:
-            capacity_for(1, 1, 1, capacity_factor)  # its check of the factor
-        if capacity is not None and (type(capacity) is not int or capacity < 0):
-            raise ValueError(f"capacity must be an int >= 0 (rows per rank pair), got {capacity!r}")
+        self.static = capacity is not None
         if transport == "auto":  # (the rule; a collective when it builds a PushBuffer)
             transport = "nccl"
             if capacity is not None:
@@ -154,8 +165,9 @@ class ExpertParallelMoE(torch.nn.Module):
                              "'nccl', 'auto' or a PushBuffer")  # fmt: skip
         if not self.static and isinstance(transport, PushBuffer):
             raise ValueError("a PushBuffer carries the static dispatch: pass capacity or "
-                             "capacity_factor")  # fmt: skip
+                             "capacity_factor with max_tokens")  # fmt: skip
         self.capacity_factor, self.capacity, self.align = capacity_factor, capacity, align
+        self.max_tokens, self.seed, self._checked = max_tokens, seed, False
         self.register_buffer("dispatch_stats", torch.zeros(len(STAT_NAMES), dtype=torch.int64,
                              device=device), persistent=False)  # fmt: skip
         self._exchange, self.wires, self.transport = exchange, wires, transport
@@ -178,9 +190,32 @@ class ExpertParallelMoE(torch.nn.Module):
     def exchange(self, value: str | Wires) -> None:
         wires = layer_wires(value)
         if wires.uses_mxfp8 and self.router.shape[0] % 32:
-            raise ValueError(f"exchange={value!r} has an MXFP8 leg: hidden must be a multiple "
-                             f"of 32, got {self.router.shape[0]}")  # fmt: skip
+            raise ValueError(f"hidden={self.router.shape[0]}: exchange={value!r} sends MXFP8 "
+                             "blocks of 32 values; pass exchange='bf16'")  # fmt: skip
         self._exchange, self.wires = value, wires
+
+    def extra_repr(self) -> str:
+        hidden, ffn = self.router.shape[0], self.experts.w1.shape[-1]
+        mode = "synced"
+        if self.static:
+            mode = f"static, capacity={self.capacity}, max_tokens={self.max_tokens}"
+            if self.capacity_factor is not None:
+                mode += f", capacity_factor={self.capacity_factor}"
+        return (
+            f"hidden={hidden}, ffn={ffn}, num_experts={self.num_experts}, top_k={self.top_k}, "
+            f"group_size={dist.get_world_size(self.group)}, exchange={self.exchange!r}, "
+            f"dispatch=({mode}), transport={self.transport!r}, precision={self.precision!r}"
+        )
+
+    def read_dispatch_stats(self) -> dict[str, int]:
+        """This rank's ``dispatch_stats`` as {name: value} in STAT_NAMES' order (a host
+        sync; no collective): dropped, needed_capacity, invalid_ids, num_experts_differs."""
+        return dict(zip(STAT_NAMES, self.dispatch_stats.tolist(), strict=True))
+
+    def reset_dispatch_stats(self) -> None:
+        """Zero ``dispatch_stats`` in place (no sync; safe inside a captured CUDA graph)."""
+        with torch.no_grad():
+            self.dispatch_stats.zero_()
 
     @property
     def precision(self) -> str:
@@ -203,14 +238,19 @@ class ExpertParallelMoE(torch.nn.Module):
         return self.experts.w2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., hidden] (floating, on the parameters' device) -> the same shape in x's
-        dtype. An x that is not raises a ValueError: on every rank (from dispatch) for the
-        host-synced dispatch, on this rank for the static one."""
+        """x [..., hidden] (floating, on the parameters' device; bf16 or fp32 for "mxfp8";
+        at most max_tokens tokens) -> the same shape in x's dtype. An x that is not raises a
+        ValueError on every rank for the host-synced dispatch (from dispatch) and at the
+        first forward; later, for the static dispatch, on this rank only unless validating
+        (mxfp8_a2a.dispatch_static's validate, MXFP8_A2A_VALIDATE=1)."""
         if isinstance(x, torch.Tensor) and x.dim() > 2:  # [batch, seq, hidden] and the like
             return self.forward(x.reshape(-1, x.shape[-1])).view(x.shape)
         problem = self._input_error(x)
-        if problem is not None and self.static:  # (no sync to tell the other ranks)
-            raise ValueError(problem)
+        if checks.first_forward_due(self):  # (once; the same error on every rank)
+            checks.first_forward_check(self, x, problem)
+        if problem is not None and self.static:  # (every rank hears of it where they agree)
+            push = self.transport if isinstance(self.transport, PushBuffer) else None
+            static_agree.report(problem, self.group, push)
         if problem is not None:  # no routing: dispatch tells every rank, then raises
             dispatch_reporting(
                 x, None, self.num_experts, self.group, self.wires, self.transport, problem
@@ -224,11 +264,7 @@ class ExpertParallelMoE(torch.nn.Module):
         return combine(self.experts(ex, handle.expert_offsets), weights, handle)
 
     def _forward_static(self, x, weights, ids) -> torch.Tensor:
-        world = dist.get_world_size(self.group)
-        cap = self.capacity
-        if cap is None:
-            cap = capacity_for(x.shape[0], self.top_k, world, self.capacity_factor)
-        ex, offs, handle = dispatch_static(x, ids, self.num_experts, cap, self.group,
+        ex, offs, handle = dispatch_static(x, ids, self.num_experts, self.capacity, self.group,
                                            exchange=self.wires, align=self.align,
                                            transport=self.transport)  # fmt: skip
         with torch.no_grad():  # dropped and bad ids add up, the other two are maxima
@@ -243,8 +279,16 @@ class ExpertParallelMoE(torch.nn.Module):
             return f"x must be a [tokens, {hidden}] tensor, got {getattr(x, 'shape', type(x))}"
         if not x.dtype.is_floating_point:
             return f"x must be a floating tensor, got {x.dtype}"
+        if self.exchange == "mxfp8" and x.dtype not in (torch.bfloat16, torch.float32):
+            return f"x must be bfloat16 or float32 for exchange='mxfp8', got {x.dtype}"
         if x.device != self.router.device:
             return f"x is on {x.device}, the layer's parameters on {self.router.device}; move x"
+        if self.max_tokens is not None and x.shape[0] > self.max_tokens:
+            return (
+                f"x has {x.shape[0]} tokens, more than the layer's max_tokens={self.max_tokens} "
+                "(its static capacity is sized for it); split the batch or build the layer "
+                "with a larger max_tokens"
+            )
         return None
 
     @contextlib.contextmanager

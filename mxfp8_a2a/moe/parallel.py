@@ -74,10 +74,20 @@ def prepare_ddp(
 
     ``replicas``: the ranks holding the same experts as this one (the data-parallel
     dimension of a (dp, ep) mesh, e.g. mesh["dp"]); None when each expert lives on one rank
-    (the expert-parallel group is the whole job). Call once, on every rank, before wrapping.
+    (the expert-parallel group is the whole job). Call once, on every rank, before wrapping:
+    given a DistributedDataParallel it raises; called after wrapping (on the wrapped
+    module), the layers' first forward raises on every rank (ExpertParallelMoE's check).
     The experts' gradient hooks run in every backward (also under ``no_sync()``; they are
     linear, so accumulation stays right).
     """
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        raise ValueError(
+            "prepare_ddp: model is already a DistributedDataParallel, which broadcast and "
+            "will average the experts; call mx.prepare_ddp(model) on the plain model BEFORE "
+            "DistributedDataParallel(model)"
+        )
     group = _group(replicas)
     ranks = _ranks(model, group, "prepare_ddp")
     exclude = _ddp_exclude()

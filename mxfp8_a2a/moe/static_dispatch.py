@@ -33,9 +33,9 @@ backward. The counts message has one size whatever num_experts is
 drops the rows to and from ranks whose num_experts differs from its own and records it in
 its stats, so that :func:`check_no_drops` raises the same error on every rank (no sync
 here to raise it sooner). Every rank must pass the same hidden size, dtype, exchange and
-capacity (they set the rows' collective's size; ranks that disagree are not detected here
-and may hang), the same T when the capacity comes from :func:`capacity_for`, and, past
-DISPATCH_INLINE_COUNTS local experts, the same num_experts.
+capacity (they set the rows' collective's size) and, past DISPATCH_INLINE_COUNTS local
+experts, the same num_experts: each new configuration is checked across the ranks once
+(static_agree.py), so that ranks that disagree raise the same error instead of hanging.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ from ..exchange.checks import group_rank_and_size
 from ..exchange.plain import HAS_FUNCOL, funcol
 from ..exchange.push import PushBuffer, counts_columns
 from ..exchange.wires import Wires, combine_default, leg_pair
+from . import static_agree as agree
 from . import static_push as sp
 from . import static_rows as rows_ops
 from .dispatch import _local_error, check_owner, mark_output
@@ -228,6 +229,7 @@ def dispatch_static(
     align: int = 16,
     scaling_mode: str = "rceil",
     transport: str | PushBuffer = "nccl",
+    validate: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, StaticHandle]:
     """Send each token to the ranks of its top-k experts, with no host sync.
 
@@ -253,6 +255,8 @@ def dispatch_static(
             rows it sends straight into the receivers' buffers, padding never sent; group
             may then be None, the buffer's; bf16/fp32 x). Same results bit for bit; the
             PushBuffer replaces the two wire buffers of the memory above.
+        validate: check the configuration across the ranks on every call (also with
+            MXFP8_A2A_VALIDATE=1), not only at a new one (see below).
     Returns:
         expert_x: [static_rows(capacity, W, L, align), H] in x's dtype, expert-major (module
             docstring), padding rows zero; expert_offsets: int32 [L] end offsets of the
@@ -260,15 +264,31 @@ def dispatch_static(
             :func:`combine_static` (handle.stats: drops, see StaticHandle).
     Differentiable in x; the backward sends the gradient back the same way (MXFP8 for
     "mxfp8") and sums each token's k copies. Arguments the host sees are checked before
-    any collective (a ValueError on this rank).
+    any collective. At each new configuration (capacity, hidden, exchange, x's dtype where
+    the wire carries it, num_experts past the inline counts, transport kind, scaling mode;
+    moe/static_agree.py) one small all_gather checks it across the ranks, eagerly, and a
+    rank's bad argument or a size that differs between ranks raises the same ValueError on
+    every rank; a known configuration costs no collective. Under torch.compile the check
+    runs with validate only (agreement.agree_compiled, on every call); under CUDA graph
+    capture not at all: run one eager call first. A change on one rank only after the
+    ranks agreed is caught there alone: pass validate=True to catch it everywhere.
     """
-    group, push, world = _carrier(group, transport)
-    _check(x, topk_ids, num_experts, world, capacity, align, exchange, scaling_mode, group)
-    wires = leg_pair(exchange, "dispatch")
-    if push is not None:
-        columns = counts_columns(num_experts // world)
-        for wire in set(wires):
-            check_fits(push, capacity, x.shape[1], x.dtype, wire, columns, x.device)
+    error, text, push = None, "", None
+    try:  # (a rank's error travels in the agreement: raised on every rank that joins it)
+        group, push, world = _carrier(group, transport)
+        _check(x, topk_ids, num_experts, world, capacity, align, exchange, scaling_mode, group)
+        wires = leg_pair(exchange, "dispatch")
+        if push is not None:
+            columns = counts_columns(num_experts // world)
+            for wire in set(wires):
+                check_fits(push, capacity, x.shape[1], x.dtype, wire, columns, x.device)
+        text = agree.terms(x.shape[1], x.dtype, num_experts, world, capacity, wires,
+                           scaling_mode, push)  # fmt: skip
+    except (TypeError, ValueError) as e:
+        if push is None and not dist.is_initialized():  # (no group to tell)
+            raise
+        error, world = e, (push.world if push is not None else group_rank_and_size(group)[1])
+    x = agree.agree_static(text, error, group, push, world, validate, x)
     rows_of, sent, stats = send_plan(topk_ids, num_experts, world, capacity)
     rows_of, recv, stats = _exchange_counts(rows_of, sent.to(x.device), stats, num_experts,
                                             capacity, group, push)  # fmt: skip
