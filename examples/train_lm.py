@@ -114,7 +114,7 @@ def windows(data: torch.Tensor, starts: torch.Tensor, seq_len: int) -> torch.Ten
 def moe_static_kwargs(tokens_per_rank: int, top_k: int, world: int, factor: float) -> dict:
     """The static dispatch's keywords for ExpertParallelMoE: every rank passes at most
     ``tokens_per_rank`` tokens per call; room for ``factor`` times a balanced routing."""
-    return {"capacity": mx.capacity_for(tokens_per_rank, top_k, world, factor)}
+    return {"max_tokens": tokens_per_rank, "capacity_factor": factor}
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

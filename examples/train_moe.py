@@ -118,7 +118,8 @@ def evaluate(model: TinyMoE, x: torch.Tensor, target: torch.Tensor, args, world:
                 continue
             for layer in model.layers:
                 layer.exchange, layer.precision = exchange, precision
-            pred = model(x.to(DTYPES[args.dtype])).float()
+            chunks = x.to(DTYPES[args.dtype]).split(args.max_tokens or x.shape[0])
+            pred = torch.cat([model(chunk) for chunk in chunks]).float()  # (max_tokens a call)
             loss = torch.nn.functional.mse_loss(pred, target)
             dist.all_reduce(loss)
             losses[name] = loss.item() / world

@@ -102,7 +102,7 @@ def test_gpu_fp8_trained_weights_match_bf16():
 @cpu_only
 @pytest.mark.parametrize(
     "wrap, extra",
-    [("fsdp2", ()), ("ddp", ("--capacity", "1024"))],
+    [("fsdp2", ()), ("ddp", ("--max-tokens", "256", "--capacity-factor", "2"))],
     ids=["fsdp2", "ddp-static"],
 )  # fmt: skip
 def test_data_x_expert_mesh_trains_and_checkpoints(wrap, extra, tmp_path):
