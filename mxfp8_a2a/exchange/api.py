@@ -22,11 +22,11 @@ from ..formats.packing import packed_row_bytes
 from ..formats.quantize import quantize_packed
 from . import agreement, checks
 from .checks import Splits
-from .nccl import NcclTransport
+from .nccl import NcclTransport, resolve
 from .plain import HAS_FUNCOL, funcol
 from .plain import exchange as plain_exchange
 from .rows import wire_row
-from .transport import Transport, resolve
+from .transport import Transport
 
 
 def compute_output_splits(

@@ -22,28 +22,13 @@ import torch.distributed as dist
 
 from . import agreement
 from .agreement import _all_gather, comm_device  # noqa: F401 (used from here too)
-from .transport import Transport
+from .transport import Transport, device_error  # noqa: F401 (used from here too)
 
 Splits = Iterable[int] | torch.Tensor
 
 VALIDATE_ENV = "MXFP8_A2A_VALIDATE"
 VALIDATE_FROM_ENV = os.environ.get(VALIDATE_ENV, "0") == "1"  # read once, at import
 MAX_ROWS = 2**62  # any split at or above it is an error (int64 arithmetic stays exact)
-
-
-def device_error(device: torch.device, group: dist.ProcessGroup | None) -> str | None:
-    """What is wrong with exchanging tensors of ``device`` over ``group``, or None: a tensor
-    off CUDA on a group whose only backend is NCCL (a group made with "cpu:gloo,cuda:nccl"
-    exchanges CPU tensors over gloo)."""
-    if device.type == "cuda" or not dist.is_initialized():  # (no group: nothing to take it)
-        return None
-    backend = str(dist.get_backend(group))
-    if "nccl" in backend and "cpu:" not in backend and "gloo" not in backend:
-        return (
-            f"x is on {device}, and the group's backend (NCCL) takes CUDA tensors; move x to "
-            "its GPU or pass a gloo group"
-        )
-    return None
 
 
 def group_rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:

@@ -15,9 +15,8 @@ import torch.distributed as dist
 
 from .. import _config
 from .._common import e4m3_gpu_error
-from .checks import device_error
 from .rows import dequantize_into, quantize_into, roundtrip_into, wire_row
-from .transport import Transport
+from .transport import Transport, device_error
 
 
 def keeps_local(n: int, k: int, device: torch.device) -> bool:
@@ -91,3 +90,15 @@ class NcclTransport(Transport):
 
 
 NCCL = NcclTransport()
+
+
+def resolve(transport: str | Transport) -> Transport:
+    """The Transport for a ``transport`` argument: "nccl" or a Transport instance."""
+    if isinstance(transport, Transport):
+        return transport
+    if transport == "nccl":
+        return NCCL
+    raise ValueError(
+        f"transport must be 'nccl' or a Transport object (e.g. mxfp8_a2a.CopyEngineTransport"
+        f"(group)), got {transport!r}"
+    )

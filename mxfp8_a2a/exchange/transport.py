@@ -48,15 +48,16 @@ class Transport(abc.ABC):
         """x [T, K] -> [sum(output_splits), K] in x's dtype (checked arguments)."""
 
 
-def resolve(transport: str | Transport) -> Transport:
-    """The Transport for a ``transport`` argument: "nccl" or a Transport instance."""
-    from .nccl import NCCL  # nccl.py imports this module
-
-    if isinstance(transport, Transport):
-        return transport
-    if transport == "nccl":
-        return NCCL
-    raise ValueError(
-        f"transport must be 'nccl' or a Transport object (e.g. mxfp8_a2a.CopyEngineTransport"
-        f"(group)), got {transport!r}"
-    )
+def device_error(device: torch.device, group: dist.ProcessGroup | None) -> str | None:
+    """What is wrong with exchanging tensors of ``device`` over ``group``, or None: a tensor
+    off CUDA on a group whose only backend is NCCL (a group made with "cpu:gloo,cuda:nccl"
+    exchanges CPU tensors over gloo)."""
+    if device.type == "cuda" or not dist.is_initialized():  # (no group: nothing to take it)
+        return None
+    backend = str(dist.get_backend(group))
+    if "nccl" in backend and "cpu:" not in backend and "gloo" not in backend:
+        return (
+            f"x is on {device}, and the group's backend (NCCL) takes CUDA tensors; move x to "
+            "its GPU or pass a gloo group"
+        )
+    return None

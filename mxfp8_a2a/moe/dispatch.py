@@ -34,8 +34,9 @@ from .. import _config
 from ..exchange import agreement
 from ..exchange.api import exchange_legs, to_mxfp8_a2a_dequant
 from ..exchange.checks import comm_device, device_error, group_rank_and_size, transport_terms
+from ..exchange.nccl import resolve
 from ..exchange.plain import all_to_all_rows
-from ..exchange.transport import Transport, resolve
+from ..exchange.transport import Transport
 from ..exchange.wires import Wires, check_leg_pair, combine_default, leg_pair
 from .permute import take_rows
 from .slot_sum import slot_sum
