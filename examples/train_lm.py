@@ -111,12 +111,6 @@ def windows(data: torch.Tensor, starts: torch.Tensor, seq_len: int) -> torch.Ten
     return data[starts[:, None] + torch.arange(seq_len + 1)].long()
 
 
-def moe_static_kwargs(tokens_per_rank: int, top_k: int, world: int, factor: float) -> dict:
-    """The static dispatch's keywords for ExpertParallelMoE: every rank passes at most
-    ``tokens_per_rank`` tokens per call; room for ``factor`` times a balanced routing."""
-    return {"max_tokens": tokens_per_rank, "capacity_factor": factor}
-
-
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary positions: x [B, heads, S, head_dim], cos/sin [S, head_dim / 2]."""
     x1, x2 = x.chunk(2, dim=-1)
@@ -133,7 +127,8 @@ class Block(torch.nn.Module):
         self.qkv = torch.nn.Linear(d, 3 * d, bias=False)
         self.proj = torch.nn.Linear(d, d, bias=False)
         torch.nn.init.normal_(self.proj.weight, std=0.02 / math.sqrt(2 * a.layers))
-        static = moe_static_kwargs(a.batch * a.seq_len, a.top_k, world, a.capacity_factor)
+        # the static dispatch: every rank passes at most batch * seq_len tokens per call
+        static = {"max_tokens": a.batch * a.seq_len, "capacity_factor": a.capacity_factor}
         self.moe = mx.ExpertParallelMoE(d, a.ffn, a.experts, a.top_k, exchange=a.exchange,
                                         precision=a.precision, seed=seed, **static)  # fmt: skip
 

@@ -202,3 +202,42 @@ def layer_configs_differ(rank, world):
         layer = mx.ExpertParallelMoE(hidden, 32, 2 * world, 2, seed=0, **kw)
         out.append(same_error(lambda a=layer, h=hidden: a(torch.randn(4, h)), match))
     return out
+
+
+def replicas_and_upcycling(rank, world):
+    """On a (dp=2, ep=2) mesh: replicas seeded differently (torch.manual_seed(dp rank)) hold
+    equal experts after prepare_ddp / shard_experts; experts that are copies of one MLP on
+    every rank (sparse upcycling) pass the first-forward check under prepare_ddp; combine
+    legs that differ between ranks (same dispatch legs) raise on every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "ep"))
+    dp_rank = mesh["dp"].get_local_rank()
+    for wrap in ("ddp", "fsdp2"):
+        torch.manual_seed(100 + dp_rank)  # the same in an ep group, not across replicas
+        layer = mx.ExpertParallelMoE(H, 32, 4, 2, mesh["ep"], seed=None)
+        torch.manual_seed(7)
+        layer.router.data = torch.randn_like(layer.router)  # (the rest of the model: DDP's)
+        if wrap == "ddp":
+            mx.prepare_ddp(torch.nn.Sequential(layer), mesh["dp"])
+            local = layer.w1.detach()
+        else:
+            mx.shard_experts(torch.nn.Sequential(layer), mesh["dp"])
+            local = layer.w1.full_tensor().detach()
+        copies = [torch.empty_like(local) for _ in range(2)]
+        dist.all_gather(copies, local, group=mesh["dp"].get_group())
+        assert torch.equal(copies[0], copies[1]), wrap
+    upcycled = mx.ExpertParallelMoE(H, 32, 2 * world, 2, seed=3)
+    with torch.no_grad():
+        upcycled.experts.w1.copy_(upcycled.experts.w1[:1].expand_as(upcycled.experts.w1))
+        upcycled.experts.w2.copy_(upcycled.experts.w2[:1].expand_as(upcycled.experts.w2))
+        for p in upcycled.experts.parameters():
+            dist.broadcast(p, src=0)  # every expert on every rank: one MLP's copy
+    model = DDP(mx.prepare_ddp(torch.nn.Sequential(upcycled)))
+    model(torch.randn(6, H)).sum().backward()
+    last = rank == world - 1
+    combine_bwd = "bf16" if last else "mxfp8"
+    wires = mx.Wires("mxfp8", "bf16", "bf16", combine_bwd)
+    x, ids, args = _case(rank, world)
+    return same_error(lambda: _dispatch(x, ids, args, exchange=wires), "exchange differs")

@@ -102,7 +102,7 @@ def moe_errors(rank, world):
         # ranks that disagree on what the exchanges depend on
         (dict(x=on(0, torch.randn(t, 96), x)), r"x.shape\[1\] differs .*\(\[96, 64, 64\] by"),
         (dict(x=on(1, x.bfloat16(), x)), r"x.dtype differs between ranks \(\[torch.float32, "),
-        (dict(exchange=on(0, "bf16", "mxfp8")), r"exchange differs .*\(\[bf16/bf16, mx"),
+        (dict(exchange=on(0, "bf16", "mxfp8")), r"exchange differs .*\(\[bf16/bf16/bf16/bf16, mx"),
         (
             dict(x=on(2, x.clone().requires_grad_(), x)),
             r"x.requires_grad differs between ranks \(\[False, False, True",

@@ -16,6 +16,7 @@ from layer_check_workers import (
     fsdp_without_shard_experts,
     layer_configs_differ,
     push_buffer_device_on_one_rank,
+    replicas_and_upcycling,
     seeds,
     static_agrees_once,
     static_sizes_differ,
@@ -138,3 +139,7 @@ def test_static_dispatch_validate_under_compile():
 
 def test_push_buffer_device_on_one_rank_raises_on_every_rank():
     run_distributed(push_buffer_device_on_one_rank, 2)
+
+
+def test_replicas_upcycling_and_combine_legs():
+    run_distributed(replicas_and_upcycling, 4)

@@ -124,8 +124,6 @@ def static_transport(
 
 def _wires(exchange) -> set[str]:
     """The wires of an ``exchange`` (a wire, a layer preset, Wires or a pair), or ValueError."""
-    if exchange in ("mxfp8", "bf16"):
-        return {exchange}
     if isinstance(exchange, tuple) and len(exchange) == 2:
         return set(leg_pair(exchange, "dispatch"))
     return set(layer_wires(exchange))
@@ -149,9 +147,10 @@ class PushBuffer:
         spin_limit: iterations a barrier waits for a peer before it gives up (None: never;
             tests bound it).
     Memory per rank (``nbytes``): W * capacity rows of wire_row(H) = 33 H / 32 bytes
-    rounded up to 16 ("mxfp8"), plus W * (1 + max(32, E / W)) int64 counts and W pads; e.g.
-    W = 8, 4096 tokens, top-8, 256 experts, H = 7168, dropless: 8 * 32768 * 7392 bytes =
-    1.94 GB (the NCCL static path needs the same for its receive buffer, and a send buffer).
+    rounded up to 16 ("mxfp8"; H * dtype's size where a leg is unquantized), plus
+    W * (1 + max(32, E / W)) int64 counts and W pads; e.g. W = 8, 4096 tokens, top-8, 256
+    experts, H = 7168, dropless, "mxfp8": 8 * 32768 * 7392 bytes = 1.94 GB (the NCCL
+    static path needs the same for its receive buffer, and a send buffer).
     """
 
     def __init__(

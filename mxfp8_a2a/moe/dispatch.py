@@ -148,7 +148,7 @@ def _local_error(x, topk_ids, num_experts, world, exchange, group) -> str | None
         return f"topk_ids ({topk_ids.device}) must be on x's device ({x.device})"
     if type(num_experts) is not int or num_experts < 1 or num_experts % world:
         return f"num_experts ({num_experts!r}) must be a positive multiple of the group size"
-    mxfp8 = "mxfp8" in leg_pair(exchange, "dispatch")
+    mxfp8 = "mxfp8" in leg_pair(exchange, "dispatch") + combine_default(exchange)
     if mxfp8 and x.dtype not in (torch.bfloat16, torch.float32):
         return f"x must be bfloat16 or float32 for an MXFP8 wire ({exchange!r}), got {x.dtype}"
     if mxfp8 and x.shape[1] % 32:
@@ -159,12 +159,22 @@ def _local_error(x, topk_ids, num_experts, world, exchange, group) -> str | None
     return None
 
 
+def mxfp8_rows_error(y: torch.Tensor, exchange) -> str | None:
+    """What stops combine's rows ``y`` from travelling on ``exchange``'s combine legs."""
+    if "mxfp8" not in leg_pair(exchange, "combine"):
+        return None
+    if y.dtype not in (torch.bfloat16, torch.float32) or y.shape[1] % 32:
+        return (f"expert_y must be bfloat16 or float32 with a multiple of 32 columns for an "
+                f"MXFP8 combine leg ({exchange!r}), got {y.dtype} {tuple(y.shape)}")  # fmt: skip
+    return None
+
+
 def _terms(x: torch.Tensor, num_experts: int, exchange, transport: Transport) -> str:
     """What the counts and the exchanges depend on (agreement.py's terms text)."""
     grad = torch.is_grad_enabled() and x.requires_grad
     terms = {"num_experts": num_experts, "x.shape[1]": x.shape[1], "x.dtype": x.dtype}
-    wires = leg_pair(exchange, "dispatch")
-    terms["exchange"] = "/".join(wires)  # forward/backward
+    wires = leg_pair(exchange, "dispatch") + combine_default(exchange)
+    terms["exchange"] = "/".join(wires)  # dispatch's, then combine's forward/backward
     if "mxfp8" in wires:  # unquantized rows take no transport
         terms |= transport_terms(transport)
     return agreement.terms_text(terms | {"x.requires_grad": grad})
@@ -335,6 +345,8 @@ def _check_combine(expert_y, topk_weights, handle: DispatchHandle, exchange) -> 
             f"{topk_weights.dtype} on {topk_weights.device}"
         )
     if exchange is not None and (problem := check_leg_pair(exchange)) is not None:
+        raise ValueError(problem)
+    if exchange is not None and (problem := mxfp8_rows_error(expert_y, exchange)) is not None:
         raise ValueError(problem)
     check_owner(expert_y, handle.dispatch_id, "dispatch")
 

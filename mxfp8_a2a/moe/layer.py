@@ -100,10 +100,12 @@ class ExpertParallelMoE(torch.nn.Module):
                 the other differ. Every rank must build the same router: call
                 ``torch.manual_seed(s)`` with the same s on every rank before building (or
                 pass the same seed); the first forward raises on every rank if the routers
-                differ.
-            capacity_factor, capacity, max_tokens: either one switches to the static
-                dispatch (:func:`mxfp8_a2a.dispatch_static`): no host sync, fixed shapes,
-                so forward and backward can be captured in one CUDA graph or compiled with
+                differ. Data-parallel replicas of the experts are made equal by
+                :func:`mxfp8_a2a.prepare_ddp` / :func:`mxfp8_a2a.shard_experts` (a broadcast).
+            capacity_factor, capacity, max_tokens: ``capacity_factor`` (with
+                ``max_tokens``) or ``capacity`` switches to the static dispatch
+                (:func:`mxfp8_a2a.dispatch_static`): no host sync, fixed shapes, so forward
+                and backward can be captured in one CUDA graph or compiled with
                 fullgraph=True; rows past the capacity (rows per rank pair) are dropped.
                 ``capacity_factor`` needs ``max_tokens`` (the most tokens any rank passes
                 in one call): capacity = capacity_for(max_tokens, top_k, W, factor), the
@@ -238,7 +240,7 @@ class ExpertParallelMoE(torch.nn.Module):
         return self.experts.w2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., hidden] (floating, on the parameters' device; bf16 or fp32 for "mxfp8";
+        """x [..., hidden] (floating, on the parameters' device; bf16 or fp32 for an MXFP8 leg;
         at most max_tokens tokens) -> the same shape in x's dtype. An x that is not raises a
         ValueError on every rank for the host-synced dispatch (from dispatch) and at the
         first forward; later, for the static dispatch, on this rank only unless validating
@@ -279,8 +281,8 @@ class ExpertParallelMoE(torch.nn.Module):
             return f"x must be a [tokens, {hidden}] tensor, got {getattr(x, 'shape', type(x))}"
         if not x.dtype.is_floating_point:
             return f"x must be a floating tensor, got {x.dtype}"
-        if self.exchange == "mxfp8" and x.dtype not in (torch.bfloat16, torch.float32):
-            return f"x must be bfloat16 or float32 for exchange='mxfp8', got {x.dtype}"
+        if self.wires.uses_mxfp8 and x.dtype not in (torch.bfloat16, torch.float32):
+            return f"x must be bfloat16 or float32 for exchange={self.exchange!r}, got {x.dtype}"
         if x.device != self.router.device:
             return f"x is on {x.device}, the layer's parameters on {self.router.device}; move x"
         if self.max_tokens is not None and x.shape[0] > self.max_tokens:

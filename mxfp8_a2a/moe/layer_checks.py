@@ -8,7 +8,8 @@ together can see, in one small all_gather (exchange/agreement.py's rows):
 - the experts differ between the ranks (each rank holds its own): experts equal on every
   rank mean a data-parallel wrapper broadcast or gathered them (DistributedDataParallel
   without prepare_ddp, or fully_shard of the whole model without shard_experts; not
-  checked after shard_experts, whose shards may be empty);
+  checked after shard_experts, whose shards may be empty, nor where every rank's 2+ experts
+  are copies of one MLP, as sparse upcycling makes them: a broadcast cannot be told apart);
 - no DistributedDataParallel manages the experts (where torch exposes the DDP module
   running the forward; private, looked up with getattr: the digests above are the public
   fallback) and no FSDP2 shards them unless :func:`shard_experts` did.
@@ -147,6 +148,12 @@ def _digest(t: torch.Tensor) -> list[int]:
     return sums.cpu().view(torch.int64).tolist()
 
 
+def _copies_of_one(experts) -> bool:
+    """Whether this rank holds 2+ experts, all equal (sparse upcycling, a constant init)."""
+    w1, w2 = _local(experts.w1).detach(), _local(experts.w2).detach()
+    return w1.shape[0] > 1 and bool((w1 == w1[:1]).all() and (w2 == w2[:1]).all())
+
+
 _FINDINGS = {  # what a rank alone can see wrong with how the experts are wrapped
     1: "the experts are DTensors (fully_shard) that mx.shard_experts did not shard: a "
     "whole-model fully_shard mixes the ranks' different experts",
@@ -172,7 +179,7 @@ def first_forward_check(layer, x, problem: str | None) -> None:
     """The module docstring's check (a collective on the layer's group; every rank must
     call it). ``problem``: this rank's error with x, or None. Raises the same ValueError on
     every rank, or marks the layer checked."""
-    extra = [0] * 8
+    extra = [0] * 9
     if problem is None:
         status, text = agreement.FINE, _terms(layer, x)
         router = layer.router  # (a sharded one, still a DTensor: its shards differ)
@@ -181,6 +188,7 @@ def first_forward_check(layer, x, problem: str | None) -> None:
         # shard_experts' FSDP2 shards may be empty (fewer experts than replicas): no digest
         extra.append(int(getattr(layer.experts, "data_parallel", None) == "fsdp2"))
         extra.append(_own_finding(layer))
+        extra.append(int(_copies_of_one(layer.experts)))
     else:
         status, text = agreement.BAD_ARGUMENTS, problem
     rows = agreement.gather_rows(agreement.row(status, text, extra), layer.group)
@@ -194,7 +202,8 @@ def first_forward_check(layer, x, problem: str | None) -> None:
             "from different seeds); call torch.manual_seed(s) with the same s on every rank "
             "before building the model, or pass the same seed= on every rank"
         )
-    if len({tuple(r[3:7]) for r in rows}) == 1 and not any(r[7] for r in rows):
+    upcycled = all(r[9] for r in rows)  # (every expert one MLP's copy: nothing to tell)
+    if len({tuple(r[3:7]) for r in rows}) == 1 and not any(r[7] for r in rows) and not upcycled:
         raise ValueError(
             f"{WHAT}: the experts are the same on every rank of the group, but each rank "
             "holds its own: a data-parallel wrapper overwrote them (DistributedDataParallel "

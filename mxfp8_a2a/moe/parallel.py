@@ -78,7 +78,9 @@ def prepare_ddp(
     given a DistributedDataParallel it raises; called after wrapping (on the wrapped
     module), the layers' first forward raises on every rank (ExpertParallelMoE's check).
     The experts' gradient hooks run in every backward (also under ``no_sync()``; they are
-    linear, so accumulation stays right).
+    linear, so accumulation stays right). With ``replicas``, each layer's experts are first
+    broadcast from the replicas' first rank (as DDP does with the rest of the model), so
+    replicas seeded differently start equal; call it with the model on its device.
     """
     from torch.nn.parallel import DistributedDataParallel
 
@@ -95,6 +97,7 @@ def prepare_ddp(
     for prefix, layer in moe_layers(model):
         if getattr(layer.experts, "data_parallel", None) is not None:
             raise RuntimeError(f"prepare_ddp: layer {prefix!r} is already prepared")
+        _broadcast_over(layer, group)
         layer.experts.data_parallel = "ddp"
         layer.experts.grad_scale = 1.0 / ranks
         dot = f"{prefix}." if prefix else ""
@@ -105,6 +108,16 @@ def prepare_ddp(
                 param.register_hook(functools.partial(_sum_over, group=group))
     exclude(model, names)
     return model
+
+
+@torch.no_grad()
+def _broadcast_over(layer: ExpertParallelMoE, group: dist.ProcessGroup | None) -> None:
+    """The experts of ``layer`` made equal over ``group`` (replicas): its first rank's."""
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    for param in layer.experts.parameters():
+        if param.device.type != "meta":
+            dist.broadcast(param.data, src=dist.get_global_rank(group, 0), group=group)
 
 
 def _sum_over(grad: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -119,7 +132,9 @@ def shard_experts(model: torch.nn.Module, replicas: DeviceMesh, **fsdp_kwargs) -
     gradient divided by the number of all ranks. Then shard the rest with
     ``fully_shard(model, mesh=<1-D mesh of all ranks>)``. Returns ``model``. (FSDP2 averages
     over ``replicas``; the experts' gradient is also divided by the expert-parallel size, in
-    their forward, as a gradient divide factor would need PREMUL_SUM, which gloo lacks.)"""
+    their forward, as a gradient divide factor would need PREMUL_SUM, which gloo lacks.) The
+    experts are first broadcast from the replicas' first rank, so that replicas seeded
+    differently shard one set of experts."""
     from torch.distributed.fsdp import fully_shard
 
     if not isinstance(replicas, DeviceMesh) or replicas.ndim != 1:
@@ -128,6 +143,7 @@ def shard_experts(model: torch.nn.Module, replicas: DeviceMesh, **fsdp_kwargs) -
     for prefix, layer in moe_layers(model):
         if getattr(layer.experts, "data_parallel", None) is not None:
             raise RuntimeError(f"shard_experts: layer {prefix!r} is already prepared")
+        _broadcast_over(layer, replicas.get_group())
         fully_shard(layer.experts, mesh=replicas, **fsdp_kwargs)
         layer.experts.grad_scale = replicas.size() / ranks
         layer.experts.data_parallel = "fsdp2"

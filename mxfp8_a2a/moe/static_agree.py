@@ -42,9 +42,9 @@ agreement.FIXES.setdefault(
 
 
 def terms(hidden: int, dtype: torch.dtype, num_experts: int, world: int, capacity: int,
-          wires: tuple[str, str], scaling_mode: str, push: PushBuffer | None) -> str:  # fmt: skip
+          wires: tuple[str, ...], scaling_mode: str, push: PushBuffer | None) -> str:  # fmt: skip
     """What the static dispatch's collectives' sizes depend on, as agreement.py's terms;
-    ``wires``: dispatch's (forward, backward) wires (combine's mirror them by default)."""
+    ``wires``: dispatch's (forward, backward) wires, then combine's default ones."""
     out = {"capacity": capacity, "x.shape[1]": hidden, "exchange": "/".join(wires)}
     if "bf16" in wires:  # (rows in x's dtype on a leg)
         out["x.dtype"] = dtype

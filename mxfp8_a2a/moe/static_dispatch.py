@@ -56,7 +56,7 @@ from ..exchange.wires import Wires, combine_default, leg_pair
 from . import static_agree as agree
 from . import static_push as sp
 from . import static_rows as rows_ops
-from .dispatch import _local_error, check_owner, mark_output
+from .dispatch import _local_error, check_owner, mark_output, mxfp8_rows_error
 from .static_plan import receive_plan, send_plan
 from .static_plan import static_rows as static_rows  # (public here)
 from .static_push import check_fits
@@ -234,7 +234,7 @@ def dispatch_static(
     """Send each token to the ranks of its top-k experts, with no host sync.
 
     Args:
-        x: [T, H] tokens (bf16 or fp32, H % 32 == 0, for "mxfp8"); T may be 0.
+        x: [T, H] tokens (bf16 or fp32, H % 32 == 0, for an MXFP8 leg); T may be 0.
         topk_ids: [T, k] integer expert ids; ids outside [0, num_experts) are dropped and
             counted (stats[2]).
         num_experts: total experts, a multiple of the group size W.
@@ -262,8 +262,8 @@ def dispatch_static(
             docstring), padding rows zero; expert_offsets: int32 [L] end offsets of the
             blocks (grouped_mm's offs; rows past offs[-1] are zero); handle for
             :func:`combine_static` (handle.stats: drops, see StaticHandle).
-    Differentiable in x; the backward sends the gradient back the same way (MXFP8 for
-    "mxfp8") and sums each token's k copies. Arguments the host sees are checked before
+    Differentiable in x; the backward sends the gradient back on the dispatch-backward wire
+    and sums each token's k copies. Arguments the host sees are checked before
     any collective. At each new configuration (capacity, hidden, exchange, x's dtype where
     the wire carries it, num_experts past the inline counts, transport kind, scaling mode;
     moe/static_agree.py) one small all_gather checks it across the ranks, eagerly, and a
@@ -282,8 +282,8 @@ def dispatch_static(
             columns = counts_columns(num_experts // world)
             for wire in set(wires):
                 check_fits(push, capacity, x.shape[1], x.dtype, wire, columns, x.device)
-        text = agree.terms(x.shape[1], x.dtype, num_experts, world, capacity, wires,
-                           scaling_mode, push)  # fmt: skip
+        text = agree.terms(x.shape[1], x.dtype, num_experts, world, capacity,
+                           wires + combine_default(exchange), scaling_mode, push)  # fmt: skip
     except (TypeError, ValueError) as e:
         if push is None and not dist.is_initialized():  # (no group to tell)
             raise
@@ -363,6 +363,8 @@ def combine_static(
             f"topk_weights must be a floating [{t}, {k}] tensor on {expert_y.device}, got "
             f"{_desc(topk_weights)}"
         )
+    if exchange is not None and (problem := mxfp8_rows_error(expert_y, exchange)) is not None:
+        raise ValueError(problem)
     wires = handle.exchange if exchange is None else leg_pair(exchange, "combine")
     if (push := handle.push) is not None:
         for wire in set(wires):
