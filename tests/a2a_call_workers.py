@@ -149,22 +149,27 @@ def memory_flat(rank, world, backend, calls):
 
 def compiled(rank, world, backend):
     """A compiled function calling the exchange traces with fullgraph=True, forward and
-    backward, and matches eager bit for bit."""
+    backward, and matches eager bit for bit; with backward="bf16" the gradient comes back
+    unquantized (2 * the dequantized rows, exactly)."""
     dev = device_for(backend)
     splits = [2] * world
+    for backward in ("mxfp8", "bf16"):
 
-    def step(x):
-        return mx.to_mxfp8_a2a_dequant(x, splits, splits).float().pow(2).sum()
+        def step(x, backward=backward):
+            y = mx.to_mxfp8_a2a_dequant(x, splits, splits, backward=backward)
+            return y.float().pow(2).sum()
 
-    compiled_step = torch.compile(
-        step, fullgraph=True, backend="inductor" if dev.type == "cuda" else "aot_eager"
-    )
-    x = torch.randn(2 * world, 64, device=dev, dtype=torch.bfloat16)
-    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
-    step(xa).backward()
-    loss = compiled_step(xb)
-    loss.backward()
-    assert torch.equal(xa.grad, xb.grad)
+        compiled_step = torch.compile(
+            step, fullgraph=True, backend="inductor" if dev.type == "cuda" else "aot_eager"
+        )
+        x = torch.randn(2 * world, 64, device=dev, dtype=torch.bfloat16)
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        step(xa).backward()
+        loss = compiled_step(xb)
+        loss.backward()
+        assert torch.equal(xa.grad, xb.grad), backward
+        if backward == "bf16":
+            assert torch.equal(xa.grad, 2 * mx.quantize_dequantize_reference(x))
 
 
 def _graph_replays(rank, world, g, kept):
