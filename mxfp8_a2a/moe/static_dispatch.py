@@ -280,8 +280,7 @@ def dispatch_static(
         wires = leg_pair(exchange, "dispatch")
         if push is not None:
             columns = counts_columns(num_experts // world)
-            for wire in set(wires):
-                check_fits(push, capacity, x.shape[1], x.dtype, wire, columns, x.device)
+            check_fits(push, capacity, x.shape[1], x.dtype, wires, columns, x.device)
         text = agree.terms(x.shape[1], x.dtype, num_experts, world, capacity,
                            wires + combine_default(exchange), scaling_mode, push)  # fmt: skip
     except (TypeError, ValueError) as e:
@@ -367,9 +366,8 @@ def combine_static(
         raise ValueError(problem)
     wires = handle.exchange if exchange is None else leg_pair(exchange, "combine")
     if (push := handle.push) is not None:
-        for wire in set(wires):
-            check_fits(push, handle.capacity, h, handle.dtype, wire, push.count_columns,
-                       expert_y.device)  # fmt: skip
+        check_fits(push, handle.capacity, h, handle.dtype, wires, push.count_columns,
+                   expert_y.device)  # fmt: skip
     return _Combine.apply(
         expert_y, topk_weights, handle.rows_of, handle.src_row, handle.out_row, handle.capacity,
         handle.group, handle.push, wires, handle.scaling_mode,

@@ -27,35 +27,38 @@ from . import static_kernels as sk
 from .static_rows import _op  # (ops named mxfp8_a2a::static_*)
 
 
-def check_fits(buf: PushBuffer, cap: int, hidden: int, dtype: torch.dtype, wire: str,
-               count_columns: int, device: torch.device) -> None:  # fmt: skip
-    """A ValueError naming the fix unless a call of these sizes fits ``buf`` (on this rank,
-    before any exchange)."""
+def check_fits(
+    buf: PushBuffer, cap: int, hidden: int, dtype: torch.dtype, wires: tuple[str, ...],
+    count_columns: int, device: torch.device,
+) -> None:  # fmt: skip
+    """A ValueError naming the fix unless a call of these sizes, its legs on ``wires``, fits
+    ``buf`` (on this rank, before any exchange)."""
     buf._check_live()
     if dtype not in sk.DTYPES:
         raise ValueError(f"the push transport takes bf16 or fp32 rows, got {dtype}")
     if not kernels_run_on(device, sk._gather_decode_kernel):
         raise ValueError(f"the push transport runs Triton kernels: tensors on {device} need a "
                          "CUDA GPU (or TRITON_INTERPRET=1 on the CPU)")  # fmt: skip
-    shape, wdt = sk.wire_shape(1, hidden, dtype, wire)
-    row = shape[1] * wdt.itemsize
-    need = cap * row
-    if row % 16:
-        raise ValueError(
-            f"the push transport moves rows of a multiple of 16 bytes; {wire} rows of "
-            f"hidden={hidden} ({dtype}) are {row}: use exchange='mxfp8' or transport='nccl'"
-        )
     if buf.world * cap >= 2**31:
         raise ValueError(f"capacity {cap} x {buf.world} ranks: the push path takes < 2**31 rows")
     if device != buf.device:
         raise ValueError(f"x is on {device}, the PushBuffer on {buf.device}")
-    if need > buf.capacity * buf.row_bytes:
-        raise ValueError(
-            f"capacity {cap} of {wire} rows of hidden={hidden} ({dtype}) needs {need} bytes per "
-            f"rank pair; the PushBuffer holds {buf.capacity * buf.row_bytes} (capacity "
-            f"{buf.capacity}, hidden {buf.hidden}, exchange {buf.exchange!r}): build a larger "
-            "one or lower capacity"
-        )
+    for wire in dict.fromkeys(wires):  # (each leg's rows, in order)
+        shape, wdt = sk.wire_shape(1, hidden, dtype, wire)
+        row = shape[1] * wdt.itemsize
+        need = cap * row
+        if row % 16:
+            raise ValueError(
+                f"the push transport moves rows of a multiple of 16 bytes; {wire} rows of "
+                f"hidden={hidden} ({dtype}) are {row}: use exchange='mxfp8' or transport='nccl'"
+            )
+        if need > buf.capacity * buf.row_bytes:
+            raise ValueError(
+                f"capacity {cap} of {wire} rows of hidden={hidden} ({dtype}) needs {need} bytes "
+                f"per rank pair; the PushBuffer holds {buf.capacity * buf.row_bytes} (capacity "
+                f"{buf.capacity}, hidden {buf.hidden}, exchange {buf.exchange!r}): build a "
+                "larger one or lower capacity"
+            )
     if count_columns > buf.count_columns:
         raise ValueError(
             f"num_experts / group size needs {count_columns - 1} count columns, the PushBuffer "
