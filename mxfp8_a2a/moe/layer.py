@@ -143,7 +143,7 @@ class ExpertParallelMoE(torch.nn.Module):
         ``mx.check_no_drops(layer.dispatch_stats, group)`` raises on every rank on drops.
         """
         super().__init__()
-        group = checks.layer_group(group)
+        group = checks.mesh_group(group)
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         capacity = checks.check_construction(
             hidden, ffn, num_experts, top_k, world, exchange, precision, capacity_factor,

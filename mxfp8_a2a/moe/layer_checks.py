@@ -29,6 +29,7 @@ from ..exchange import agreement
 from ..exchange.push import PushBuffer
 from ..exchange.wires import layer_wires
 from ..grouped.gemm import PRECISIONS
+from .static_agree import capturing
 from .static_dispatch import capacity_for
 
 WHAT = "ExpertParallelMoE"
@@ -38,13 +39,13 @@ _DDP_FIX = (
 )
 
 
-def layer_group(group) -> dist.ProcessGroup | None:
-    """The layer's ProcessGroup from a ProcessGroup, a 1-D DeviceMesh or None."""
+def mesh_group(group, name: str = "group", dim: str = "ep") -> dist.ProcessGroup | None:
+    """The ProcessGroup of argument ``name``: a ProcessGroup, None, or a 1-D DeviceMesh (the
+    mesh's ``dim`` dimension, e.g. mesh['ep'] for a layer's group, mesh['dp'] for replicas)."""
     if isinstance(group, DeviceMesh):
         if group.ndim != 1:
             raise ValueError(
-                f"group: a DeviceMesh must be 1-D (the expert-parallel dimension, e.g. "
-                f"mesh['ep']), got {group.ndim}-D"
+                f"{name}: a DeviceMesh must be 1-D (e.g. mesh[{dim!r}]), got {group.ndim}-D"
             )
         return group.get_group()
     return group
@@ -107,9 +108,7 @@ def check_construction(
 def first_forward_due(layer) -> bool:
     """Whether this forward runs the first-forward check: not yet passed, eager (not under
     torch.compile, nor CUDA graph capture), a group of more than one rank."""
-    if layer._checked or torch.compiler.is_compiling():
-        return False
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    if layer._checked or torch.compiler.is_compiling() or capturing():
         return False
     if dist.get_world_size(layer.group) == 1 or layer.router.device.type == "meta":
         layer._checked = True

@@ -28,19 +28,12 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from .layer import ExpertParallelMoE
+from .layer_checks import mesh_group
 
 
 def moe_layers(model: torch.nn.Module) -> list[tuple[str, ExpertParallelMoE]]:
     """(qualified name, layer) of every ExpertParallelMoE in ``model`` (itself included)."""
     return [(n, m) for n, m in model.named_modules() if isinstance(m, ExpertParallelMoE)]
-
-
-def _group(replicas: dist.ProcessGroup | DeviceMesh | None) -> dist.ProcessGroup | None:
-    if isinstance(replicas, DeviceMesh):
-        if replicas.ndim != 1:
-            raise ValueError(f"replicas: a 1-D DeviceMesh (e.g. mesh['dp']), got {replicas.ndim}-D")
-        return replicas.get_group()
-    return replicas
 
 
 def _ranks(model: torch.nn.Module, replicas: dist.ProcessGroup | None, who: str) -> int:
@@ -90,7 +83,7 @@ def prepare_ddp(
             "will average the experts; call mx.prepare_ddp(model) on the plain model BEFORE "
             "DistributedDataParallel(model)"
         )
-    group = _group(replicas)
+    group = mesh_group(replicas, "replicas", "dp")
     ranks = _ranks(model, group, "prepare_ddp")
     exclude = _ddp_exclude()
     names = list(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))

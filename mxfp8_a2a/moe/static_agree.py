@@ -61,7 +61,8 @@ def _cache(group: dist.ProcessGroup | None, push: PushBuffer | None) -> OrderedD
     return _GROUPS.setdefault(name, OrderedDict())
 
 
-def _capturing() -> bool:
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (nothing may synchronize)."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
@@ -84,7 +85,7 @@ def agree_static(
         if check and world > 1:
             return agreement.agree_compiled(WHAT, agreement.FINE, text, [], group, x)
         return x
-    if _capturing():
+    if capturing():
         if check:
             raise ValueError(
                 "under CUDA graph capture pass validate=False (and start without "
