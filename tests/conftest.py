@@ -5,8 +5,11 @@ mxfp8_a2a is imported. With CUDA present the kernels are compiled and CPU-kernel
 """
 
 import os
+import socket
 
+import pytest
 import torch
+import torch.distributed as dist
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -17,3 +20,14 @@ def pytest_make_parametrize_id(config, val, argname):
     if isinstance(val, torch.dtype):
         return str(val).removeprefix("torch.")
     return None
+
+
+@pytest.fixture(scope="module")
+def group_of_one():
+    """A gloo process group of one rank in this process (on a free port), for the module."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

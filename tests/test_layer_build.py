@@ -9,7 +9,6 @@ import textwrap
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import mxfp8_a2a as mx
 from mxfp8_a2a.moe.layer import init_moe_weights
@@ -41,13 +40,6 @@ def test_builds_only_the_local_experts():
     assert "(4, 7168, 2048) torch.bfloat16" in rest, env_out.stdout
     local = 2 * 4 * 7168 * 2048 * 2  # w1 and w2 of 4 experts, bf16
     assert int(grown) < local + 2**29, f"peak memory grew {int(grown) / 2**20:.0f} MiB"
-
-
-@pytest.fixture(scope="module")
-def group_of_one():
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29641", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_experts_are_the_same_at_every_group_size(group_of_one):

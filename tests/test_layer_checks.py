@@ -9,7 +9,6 @@ import pydoc
 
 import pytest
 import torch
-import torch.distributed as dist
 from dist_utils import run_distributed
 from layer_check_workers import (
     ddp_mistakes,
@@ -25,13 +24,6 @@ from layer_check_workers import (
 )
 
 import mxfp8_a2a as mx
-
-
-@pytest.fixture(scope="module")
-def group_of_one():
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29643", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_construction_checks_what_the_host_knows(group_of_one):
