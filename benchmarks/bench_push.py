@@ -28,8 +28,8 @@ from common import do_bench_ms, report, warm_gpu
 import mxfp8_a2a as mx
 from mxfp8_a2a.exchange.push import PushBuffer
 from mxfp8_a2a.exchange.rows import wire_row
-from mxfp8_a2a.moe import static_kernels as sk
-from mxfp8_a2a.moe.static_plan import receive_plan, send_plan
+from mxfp8_a2a.moe import row_kernels as sk
+from mxfp8_a2a.moe.plan import receive_plan, send_plan
 
 SHAPES = [("DeepSeek-V3", 4096, 7168, 8, 256), ("Qwen3-30B-A3B", 8192, 2048, 8, 128)]
 SPINS = 10_000_000  # bounded barriers: a benchmark must not hang

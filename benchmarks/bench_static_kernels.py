@@ -12,7 +12,6 @@ Shapes are TOKENSxHIDDENxTOPKxEXPERTS (bench_moe_layer.py's, capacity factor 1.2
 from __future__ import annotations
 
 import argparse
-import importlib
 import statistics
 
 import torch
@@ -21,10 +20,8 @@ from tabulate import tabulate
 
 from mxfp8_a2a import _config
 from mxfp8_a2a.exchange.rows import wire_row
-from mxfp8_a2a.moe import capacity_for, static_plan, static_rows
-
-# (mxfp8_a2a.moe's ``static_rows`` is the function of that name)
-sr = importlib.import_module("mxfp8_a2a.moe.static_rows")
+from mxfp8_a2a.moe import capacity_for, plan, static_rows
+from mxfp8_a2a.moe import rows as sr
 
 
 def graph_us(fn, reps: int, iters: int) -> float:
@@ -68,18 +65,18 @@ def bench(text: str, reps: int, iters: int, tbs: float) -> list[dict]:
     grad = torch.randn(tokens, hidden, device=dev, generator=g).bfloat16()
     ids = torch.rand(tokens, experts, device=dev, generator=g).topk(top_k, 1).indices
     w = torch.rand(tokens, top_k, device=dev, generator=g)
-    rows_of, sent, _ = static_plan.send_plan(ids, experts, 1, cap)
-    src_row, out_row, _ = static_plan.receive_plan(sent, cap, 16)
+    rows_of, sent, _ = plan.send_plan(ids, experts, 1, cap)
+    src_row, out_row, _ = plan.receive_plan(sent, cap, 16)
     n_send, n_out = cap, static_rows(cap, 1, experts, 16)
     buf = sr.scatter_encode(x, rows_of, n_send, "mxfp8")
     y = sr.gather_decode(buf, src_row, hidden, torch.bfloat16, "mxfp8")
     back = sr.gather_encode(y, out_row, "mxfp8")
     kept, wire, row = tokens * top_k, wire_row(hidden), 2 * hidden
     steps = {  # name: (call, bytes read + written once)
-        "send_plan": (lambda: static_plan.send_plan(ids, experts, 1, cap), 0),
-        "send_plan_reference": (lambda: static_plan.send_plan_reference(ids, experts, 1, cap), 0),
-        "receive_plan": (lambda: static_plan.receive_plan(sent, cap, 16), 0),
-        "receive_plan_reference": (lambda: static_plan.receive_plan_reference(sent, cap, 16), 0),
+        "send_plan": (lambda: plan.send_plan(ids, experts, 1, cap), 0),
+        "send_plan_reference": (lambda: plan.send_plan_reference(ids, experts, 1, cap), 0),
+        "receive_plan": (lambda: plan.receive_plan(sent, cap, 16), 0),
+        "receive_plan_reference": (lambda: plan.receive_plan_reference(sent, cap, 16), 0),
         "scatter_encode": (lambda: sr.scatter_encode(x, rows_of, n_send, "mxfp8"),
                            tokens * row + kept * wire),
         "gather_decode": (lambda: sr.gather_decode(buf, src_row, hidden, torch.bfloat16, "mxfp8"),

@@ -36,18 +36,18 @@ SLOT_SUM_BLOCK_H = 1024  # with BLOCK_T 4 (see above)
 SLOT_SUM_NUM_WARPS = 4  # with BLOCK_T 4 (see above)
 INTERPRET_SLOT_SUM_BLOCK_T = 2  # small: tests run several programs
 
-# The static dispatch/combine's row kernels (moe/static_kernels.py): programs of about TILE
+# The static dispatch/combine's row kernels (moe/row_kernels.py): programs of about TILE
 # elements, rows of at most BLOCK_H columns.
 STATIC_ROWS_TILE = 2048  # slot_sum_decode 2.5-3.1 TB/s (mxfp8), 1.3-2.3 at 8192; others +-10%
 STATIC_ROWS_BLOCK_H = 2048  # 1024 at this tile: up to 12% slower (H = 2048, mxfp8)
 STATIC_ROWS_NUM_WARPS = 4  # as fast as 2 warps at tile 1024; 8 at tile 4096 no faster
 INTERPRET_STATIC_ROWS_TILE = 4096  # one program for most test calls (per-program cost)
 INTERPRET_STATIC_ROWS_BLOCK_H = 64  # small: tests of 96 and 160 columns run several tiles
-# slot_sum_decode_backward (moe/static_backward.py): (least H, elements per program, next
+# slot_sum_decode_backward (moe/row_kernels_backward.py): (least H, elements per program, next
 # slot's row read a slot ahead), the first that fits; H200 2026-12-04, us per call (H 7168 /
 # 2048): tile 2048 with prefetch 354 / 151, without 417 / 170; tile 4096: 332 / 194, 302 / 178
 STATIC_BACKWARD_TILES = ((4096, 4096, False), (0, 2048, True))
-# The static dispatch's plan kernels (moe/static_plan.py), not swept (each launch is a few us):
+# The static dispatch's plan kernels (moe/plan.py), not swept (each launch is a few us):
 STATIC_PLAN_TILE = 4096  # elements x buckets per program of the send plan: 32 int32 per thread
 STATIC_PLAN_BLOCK = 1024  # rows per program of the elementwise plan kernels: 8 per thread
 STATIC_PLAN_NUM_WARPS = 4  # the one-program kernels hold [W, L] tables only
@@ -118,6 +118,6 @@ WEIGHT_SCALES_STAGES = 3  # H200: 361 / 375 us against 429 / 460 unpipelined and
 # grouped_mm's forward makes both copies at once for weights of this many elements up:
 WEIGHT_SCALES_IN_FORWARD_FROM = 1 << 26  # H200: 697 against 882 us at 470M; 70 against 64 at 25M
 
-# Dispatch (moe/dispatch.py, static_dispatch.py).
+# Dispatch (moe/dispatch_synced.py, dispatch_static.py).
 # Count columns of dispatch's counts message, whatever num_experts is (more local experts:
 DISPATCH_INLINE_COUNTS = 32  # a second all-to-all): ranks that disagree get an error, not a hang

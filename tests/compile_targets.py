@@ -26,7 +26,7 @@ from mxfp8_a2a.grouped.kernels import _row_block_kernel  # noqa: E402
 from mxfp8_a2a.grouped.kernels_colwise import _amax_kernel, _cast_kernel  # noqa: E402
 from mxfp8_a2a.grouped.row_scales import _row_scales_kernel  # noqa: E402
 from mxfp8_a2a.grouped.weight_scales import _weight_rows_kernel  # noqa: E402
-from mxfp8_a2a.moe.static_kernels import _scatter_encode_kernel, _tile  # noqa: E402
+from mxfp8_a2a.moe.row_kernels import _scatter_encode_kernel, _tile  # noqa: E402
 
 I32 = "i32"
 GAP = ["n_groups", "groups_per_row", "gap_at", "gap_len"]

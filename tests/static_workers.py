@@ -10,8 +10,8 @@ from a2a_workers import device_for
 from helpers import sqnr_db
 
 import mxfp8_a2a as mx
-from mxfp8_a2a.moe.static_dispatch import static_rows
-from mxfp8_a2a.moe.static_rows import decode, encode
+from mxfp8_a2a.moe.dispatch_static import static_rows
+from mxfp8_a2a.moe.rows import decode, encode
 
 HIDDEN = 64
 

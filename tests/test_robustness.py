@@ -101,7 +101,7 @@ def test_dispatch_tells_every_transport_apart():
     import mxfp8_a2a as mx
     from mxfp8_a2a.exchange import agreement
     from mxfp8_a2a.exchange.nccl import NCCL
-    from mxfp8_a2a.moe.dispatch import _terms
+    from mxfp8_a2a.moe.dispatch_synced import _terms
 
     def word(exchange, transport):
         return agreement.word(agreement.FINE, _terms(torch.zeros(2, 64), 4, exchange, transport))

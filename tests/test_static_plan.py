@@ -1,4 +1,4 @@
-"""The static dispatch's plan kernels (mxfp8_a2a.moe.static_plan) against its plain-torch
+"""The static dispatch's plan kernels (mxfp8_a2a.moe.plan) against its plain-torch
 references, exactly: random, skewed and out-of-range routing, overflow and drops,
 capacity 0, top_k = num_experts, ranks without tokens, int32 and int64 ids; the receive
 plan from counts of every source up to the capacity."""
@@ -10,7 +10,7 @@ import torch
 from helpers import KERNEL_DEVICES, fresh_generator
 
 from mxfp8_a2a import _config
-from mxfp8_a2a.moe import static_plan as sp
+from mxfp8_a2a.moe import plan as sp
 
 # (tokens, top_k, experts, world): tiny, several ranks, top_k = E, E not a power of two,
 # more buckets than one program's chunk holds

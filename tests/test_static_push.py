@@ -1,4 +1,4 @@
-"""The static dispatch's push transport (exchange/push.py, moe/static_push.py).
+"""The static dispatch's push transport (exchange/push.py, moe/push.py).
 
 On a GPU, W ranks are emulated in one process: W buffers, each rank's calls on a stream of
 its own, all queued before anything is read on the host (a rank's barrier spins until the
@@ -22,8 +22,8 @@ from static_workers import HIDDEN, check_model, inputs
 
 import mxfp8_a2a as mx
 from mxfp8_a2a.exchange.push import PushBuffer
-from mxfp8_a2a.moe import static_kernels as sk
-from mxfp8_a2a.moe.static_plan import send_plan
+from mxfp8_a2a.moe import row_kernels as sk
+from mxfp8_a2a.moe.plan import send_plan
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 SPINS = 5_000_000  # a barrier's bound in these tests (iterations: seconds), so nothing hangs
@@ -226,7 +226,7 @@ def test_encoders_store_where_all_to_all_puts_rows(device, wire):
     row_bytes = shape[1] * dt.itemsize
     index = [torch.randint(-1, t, (w * cap,), generator=g).to(device) for _ in range(w)]
     wts = [torch.rand(t, k, generator=g).to(device) for _ in range(w)]
-    from mxfp8_a2a.moe import static_backward as skb
+    from mxfp8_a2a.moe import row_kernels_backward as skb
 
     for case in ("scatter", "gather", "backward"):
         sent = []

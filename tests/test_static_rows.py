@@ -1,5 +1,5 @@
-"""The static dispatch/combine's row kernels (mxfp8_a2a.moe.static_kernels) against the
-plain-torch references of static_rows.py, bit for bit (NaNs match as NaN): both wires, bf16
+"""The static dispatch/combine's row kernels (mxfp8_a2a.moe.row_kernels) against the
+plain-torch references of rows.py, bit for bit (NaNs match as NaN): both wires, bf16
 and fp32 rows, fresh data of many magnitudes with NaN, inf, zeros, tiny and huge blocks,
 random wire bytes for the decoders, odd widths, no tokens, index holes (-1) in permuted
 order, both scaling modes; grad_w within fp32 rounding of the reference (it sums in another
@@ -7,19 +7,15 @@ order), the same bits on every call."""
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 from helpers import KERNEL_DEVICES, fresh_generator, random_blocks, with_specials
 
 from mxfp8_a2a import _config
 from mxfp8_a2a.exchange.rows import wire_row
-from mxfp8_a2a.moe import static_backward as skb
-from mxfp8_a2a.moe import static_kernels as sk
-
-# (mxfp8_a2a.moe's ``static_rows`` is static_dispatch's function of that name)
-sr = importlib.import_module("mxfp8_a2a.moe.static_rows")
+from mxfp8_a2a.moe import row_kernels as sk
+from mxfp8_a2a.moe import row_kernels_backward as skb
+from mxfp8_a2a.moe import rows as sr
 
 DTYPES = [torch.bfloat16, torch.float32]
 

@@ -10,7 +10,7 @@ from a2a_workers import device_for
 from static_workers import inputs
 
 import mxfp8_a2a as mx
-from mxfp8_a2a.moe.static_rows import decode, encode
+from mxfp8_a2a.moe.rows import decode, encode
 
 FACTOR = 1.3  # the experts: y = x * FACTOR in x's dtype
 

@@ -1,5 +1,5 @@
 """What the ranks of a group must agree on, and each rank's own error, in one encoding checked
-in one place: the exchange's validation (checks.py) and dispatch (moe/dispatch.py) use it.
+in one place: the exchange's validation (checks.py) and dispatch (moe/dispatch_synced.py) use it.
 
 A rank's *terms* are what its collectives' sizes depend on (or whether a backward exchange
 follows), as name=value pairs written as one text (:func:`terms_text`). Two encodings of

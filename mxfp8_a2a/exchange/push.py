@@ -1,6 +1,6 @@
 """PushBuffer: a receive buffer in the memory of every rank of a one-node group, which the
 ranks' kernels store rows into directly (the "push" transport of the static dispatch,
-moe/static_push.py), and the barrier between the ranks' kernels.
+moe/push.py), and the barrier between the ranks' kernels.
 
 Each rank owns one allocation of the same size, in torch symmetric memory (mapped into
 every peer's address space; torch.distributed._symmetric_memory, a private torch API,
@@ -95,7 +95,7 @@ def _put_kernel(src_ptr, table_ptr, n, BLOCK: tl.constexpr):
 
 
 def counts_columns(local: int) -> int:
-    """Columns of the static dispatch's counts message (moe/static_dispatch.py), whatever
+    """Columns of the static dispatch's counts message (moe/dispatch_static.py), whatever
     the local experts ``local``: num_experts, then max(DISPATCH_INLINE_COUNTS, local) counts."""
     return 1 + max(_config.DISPATCH_INLINE_COUNTS, local)
 

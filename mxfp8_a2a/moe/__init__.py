@@ -3,11 +3,7 @@ sync-free), a layer built on them, and its data parallelism and checkpoints."""
 
 from ..exchange.wires import EXCHANGES
 from .checkpoint import full_state_dict, load_full_state_dict, prepare_optimizer
-from .dispatch import DispatchHandle, combine, dispatch
-from .experts import GroupedExperts
-from .layer import ExpertParallelMoE, route
-from .parallel import prepare_ddp, shard_experts
-from .static_dispatch import (
+from .dispatch_static import (
     STAT_NAMES,
     StaticHandle,
     capacity_for,
@@ -16,6 +12,10 @@ from .static_dispatch import (
     dispatch_static,
     static_rows,
 )
+from .dispatch_synced import DispatchHandle, combine, dispatch
+from .experts import GroupedExperts
+from .layer import ExpertParallelMoE, route
+from .parallel import prepare_ddp, shard_experts
 
 __all__ = [
     "EXCHANGES",

@@ -20,12 +20,12 @@ from ..exchange.push import PushBuffer, static_transport
 from ..exchange.transport import Transport
 from ..exchange.wires import Wires, layer_wires
 from ..grouped.gemm import PRECISIONS
+from . import agree
 from . import layer_checks as checks
-from . import static_agree
 from .checkpoint import register_checkpoint_hooks
-from .dispatch import combine, dispatch, dispatch_reporting
+from .dispatch_static import STAT_NAMES, combine_static, dispatch_static
+from .dispatch_synced import combine, dispatch, dispatch_reporting
 from .experts import GroupedExperts, draw_expert
-from .static_dispatch import STAT_NAMES, combine_static, dispatch_static
 
 
 def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -252,7 +252,7 @@ class ExpertParallelMoE(torch.nn.Module):
             checks.first_forward_check(self, x, problem)
         if problem is not None and self.static:  # (every rank hears of it where they agree)
             push = self.transport if isinstance(self.transport, PushBuffer) else None
-            static_agree.report(problem, self.group, push)
+            agree.report(problem, self.group, push)
         if problem is not None:  # no routing: dispatch tells every rank, then raises
             dispatch_reporting(
                 x, None, self.num_experts, self.group, self.wires, self.transport, problem

@@ -29,8 +29,8 @@ from ..exchange import agreement
 from ..exchange.push import PushBuffer
 from ..exchange.wires import layer_wires
 from ..grouped.gemm import PRECISIONS
-from .static_agree import capturing
-from .static_dispatch import capacity_for
+from .agree import capturing
+from .dispatch_static import capacity_for
 
 WHAT = "ExpertParallelMoE"
 _DDP_FIX = (

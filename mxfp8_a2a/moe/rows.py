@@ -16,7 +16,7 @@ Decoded values are rounded to the output dtype before any arithmetic, and the su
 fp32 over j in order with one rounding: exactly what dequantizing into rows and then
 ``slot_sum`` / ``row_sums`` give. The ``*_reference`` functions are the plain-torch
 definitions; for bf16 and fp32 rows on CUDA (and on CPU under TRITON_INTERPRET=1) the public
-functions run the kernels of static_kernels.py and static_backward.py instead, bit for bit
+functions run the kernels of row_kernels.py and row_kernels_backward.py instead, bit for bit
 the same (grad_w: equal within fp32 rounding, summed in another order), except that
 :func:`scatter_encode`'s and :func:`slot_sum_decode_backward`'s rows that no (token, slot)
 targets are left unwritten there (never read by the receiver). Other dtypes take the
@@ -32,10 +32,10 @@ from ..exchange.rows import wire_row
 from ..formats.dequantize import dequantize_reference
 from ..formats.packing import pack, packed_row_bytes, unpack
 from ..formats.quantize import quantize_reference
-from . import static_backward as skb
-from . import static_kernels as sk
+from . import row_kernels as sk
+from . import row_kernels_backward as skb
+from .row_kernels import wire_shape
 from .slot_sum import slot_sum_reference
-from .static_kernels import wire_shape
 
 WIRES = ("mxfp8", "bf16")
 
@@ -143,8 +143,8 @@ def slot_sum_decode_backward_reference(
 
 
 # ---------------------------------------------------------------------------- custom ops
-# static_kernels.py's launchers as ops (register_fake for torch.compile; no autograd:
-# static_dispatch.py's Functions call them in forward and backward).
+# row_kernels.py's launchers as ops (register_fake for torch.compile; no autograd:
+# dispatch_static.py's Functions call them in forward and backward).
 
 
 def _op(name: str, fn):

@@ -22,9 +22,9 @@ from torch import Tensor
 
 from .._common import kernels_run_on
 from ..exchange.push import PushBuffer, lookup
-from . import static_backward as skb
-from . import static_kernels as sk
-from .static_rows import _op  # (ops named mxfp8_a2a::static_*)
+from . import row_kernels as sk
+from . import row_kernels_backward as skb
+from .rows import _op  # (ops named mxfp8_a2a::static_*)
 
 
 def check_fits(

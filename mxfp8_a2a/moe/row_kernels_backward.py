@@ -8,7 +8,7 @@ prefetch (STATIC_BACKWARD_TILES: tile and prefetch by row width) the slots' wire
 loaded one slot ahead (index and bytes), so that their latency overlaps the previous
 slot's encoding and stores. Each slot's dot
 product is summed within a lane of 32 columns, then over the lanes of a row (no reshape of
-the whole tile). The helpers, numbers and layers are static_kernels.py's.
+the whole tile). The helpers, numbers and layers are row_kernels.py's.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from .. import _config
 from .._common import cdiv
 from ..formats.bits import fp32_to_bf16, to_fp32
 from ..formats.launch import launch
-from .static_kernels import (
+from .row_kernels import (
     _consts,
     _decoded,
     _lanes,
@@ -41,7 +41,7 @@ from .static_kernels import (
 @triton.jit
 def _read_row(row, compact_row, COMPACT: tl.constexpr):
     """The forward's wire row of a slot: ``row`` (-1: none), or COMPACT its row t * K + j of a
-    buffer of the slots' rows in order (static_push.py keeps such a copy)."""
+    buffer of the slots' rows in order (push.py keeps such a copy)."""
     if COMPACT:
         return tl.where(row >= 0, compact_row, -1)
     else:
@@ -122,7 +122,7 @@ def slot_sum_decode_backward_into(
     grad: Tensor, buf: Tensor, rows_of: Tensor, weights: Tensor, dest: Tensor, out_stride: int,
     cap: int, wire: str, scaling_mode: str, push: bool, compact: bool, buf_wire: str,
 ) -> Tensor:  # fmt: skip
-    """The kernel into ``dest`` (push: a table, as static_kernels.scatter_encode_into) with
+    """The kernel into ``dest`` (push: a table, as row_kernels.scatter_encode_into) with
     buf the forward's rows of ``buf_wire`` (compact: buf[t * k + j] for slot (t, j));
     returns grad_w."""
     (t, h), k = grad.shape, rows_of.shape[1]

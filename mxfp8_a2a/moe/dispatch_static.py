@@ -8,7 +8,7 @@ it can be captured in one CUDA graph and traced by torch.compile(fullgraph=True)
 Capacity: rows per (source rank, destination rank) pair. Over NCCL each rank sends every
 other rank exactly ``capacity`` wire rows (all_to_all_single with fixed, equal splits; rows
 past a pair's count are never read), so wire bytes and buffers are W * capacity rows per
-rank each way, whatever the routing; over a PushBuffer (static_push.py) only the rows kept
+rank each way, whatever the routing; over a PushBuffer (push.py) only the rows kept
 are stored, at the same places. Per rank pair rather than per expert: the drop decision is
 local to the sender, experts of one rank share the rank's room (skew between the experts of
 a rank costs no drops), and the dropless value is small: T * min(top_k, L) for distinct ids
@@ -35,7 +35,7 @@ its stats, so that :func:`check_no_drops` raises the same error on every rank (n
 here to raise it sooner). Every rank must pass the same hidden size, dtype, exchange and
 capacity (they set the rows' collective's size) and, past DISPATCH_INLINE_COUNTS local
 experts, the same num_experts: each new configuration is checked across the ranks once
-(static_agree.py), so that ranks that disagree raise the same error instead of hanging.
+(agree.py), so that ranks that disagree raise the same error instead of hanging.
 """
 
 from __future__ import annotations
@@ -53,13 +53,13 @@ from ..exchange.checks import group_rank_and_size
 from ..exchange.plain import HAS_FUNCOL, funcol
 from ..exchange.push import PushBuffer, counts_columns
 from ..exchange.wires import Wires, combine_default, leg_pair
-from . import static_agree as agree
-from . import static_push as sp
-from . import static_rows as rows_ops
-from .dispatch import _local_error, check_owner, mark_output, mxfp8_rows_error
-from .static_plan import receive_plan, send_plan
-from .static_plan import static_rows as static_rows  # (public here)
-from .static_push import check_fits
+from . import agree
+from . import push as sp
+from . import rows as rows_ops
+from .dispatch_synced import _local_error, check_owner, mark_output, mxfp8_rows_error
+from .plan import receive_plan, send_plan
+from .plan import static_rows as static_rows  # (public here)
+from .push import check_fits
 
 STAT_NAMES = ("dropped", "needed_capacity", "invalid_ids", "num_experts_differs")
 
@@ -266,7 +266,7 @@ def dispatch_static(
     and sums each token's k copies. Arguments the host sees are checked before
     any collective. At each new configuration (capacity, hidden, exchange, x's dtype where
     the wire carries it, num_experts past the inline counts, transport kind, scaling mode;
-    moe/static_agree.py) one small all_gather checks it across the ranks, eagerly, and a
+    moe/agree.py) one small all_gather checks it across the ranks, eagerly, and a
     rank's bad argument or a size that differs between ranks raises the same ValueError on
     every rank; a known configuration costs no collective. Under torch.compile the check
     runs with validate only (agreement.agree_compiled, on every call); under CUDA graph

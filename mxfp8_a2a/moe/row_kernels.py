@@ -1,4 +1,4 @@
-"""Triton kernels of the static dispatch/combine's row movement (static_rows.py): rows
+"""Triton kernels of the static dispatch/combine's row movement (rows.py): rows
 encoded for the wire straight into their slots, and decoded straight into their place.
 
 Each kernel moves its bytes once: a source row is read once per output row it feeds (a
@@ -8,14 +8,14 @@ wire (one MXFP8 block and its scale byte per lane), one lane per row for the "bf
 (rows in their own dtype). Indices and addresses are int64 (a buffer may pass 2**31
 bytes); -1 means no row.
 
-Numbers: the references of static_rows.py bit for bit (MXFP8: formats/bits.py's bits in
+Numbers: the references of rows.py bit for bit (MXFP8: formats/bits.py's bits in
 fewer instructions, _quantize; decoded values and weights rounded to the working dtype
 first; sums over j in order in fp32, one rounding, no FMA (enable_fp_fusion=False)), except
 grad_w, summed per column block in the kernel and over the blocks in torch (the reference
 within fp32 rounding, the same bits in every run).
 
 Layers: kernels -> launchers (allocation, tiles, grid) -> custom ops ``mxfp8_a2a::static_*``
-(static_rows.py; static_push.py's for the encoders' ``*_into`` launchers with PUSH: rows
+(rows.py; push.py's for the encoders' ``*_into`` launchers with PUSH: rows
 stored straight into the receive buffers of the group's ranks).
 """
 
@@ -159,7 +159,7 @@ def _store_wire(buf_ptr, row, c0, cols, mask, v, s, hidden, row_stride, cap, MX:
         r = tl.where(ok, row, 0).to(tl.int32)  # (send rows < 2**31: int32 division is cheaper)
         peer = r // cap
         base = tl.load(buf_ptr + peer, mask=ok, other=0).to(tl.pointer_type(v.dtype))
-        # (rows of a multiple of 16 bytes from 16-byte aligned regions, static_push.check_fits:
+        # (rows of a multiple of 16 bytes from 16-byte aligned regions, push.check_fits:
         # said here, so that the stores are 16-byte vectors, as into a buffer argument)
         at = tl.multiple_of(base + (r - peer * cap).to(tl.int64) * row_stride, 16)
     else:
@@ -266,7 +266,7 @@ def _slot_sum_decode_kernel(
 
 
 # ---------------------------------------------------------------------------- launchers
-# Tensors in, new tensors out (checked by static_rows.py); no launch for empty inputs.
+# Tensors in, new tensors out (checked by rows.py); no launch for empty inputs.
 
 
 def _tile(
