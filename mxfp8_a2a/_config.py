@@ -30,12 +30,6 @@ ROW_SCALES_TILE = 8192  # H200: 42-166 us against the row-block kernel's 64-170;
 ROW_SCALES_NUM_WARPS = 4  # 8 warps the same within 1 us
 ROW_SCALES_MAX_WIDTH = 8192  # wider rows go through the row-block kernel
 
-# Combine's weighted slot sum (moe/slot_sum.py): BLOCK_T tokens a program, BLOCK_H columns.
-SLOT_SUM_BLOCK_T = 4  # H200: none of 7 other tilings faster at both 8192x8x2048 and 4096x8x7168
-SLOT_SUM_BLOCK_H = 1024  # with BLOCK_T 4 (see above)
-SLOT_SUM_NUM_WARPS = 4  # with BLOCK_T 4 (see above)
-INTERPRET_SLOT_SUM_BLOCK_T = 2  # small: tests run several programs
-
 # The static dispatch/combine's row kernels (moe/row_kernels.py): programs of about TILE
 # elements, rows of at most BLOCK_H columns.
 STATIC_ROWS_TILE = 2048  # slot_sum_decode 2.5-3.1 TB/s (mxfp8), 1.3-2.3 at 8192; others +-10%

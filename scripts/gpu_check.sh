@@ -50,10 +50,6 @@ if has grouped; then
   timeout 200 python3 -m pytest -q -rs "$here/tests/test_grouped_mm_gpu.py" 2>&1 | tail -15 | tee "$out/grouped_tests.txt"
   timeout 200 torchrun --nproc-per-node=1 "$here/benchmarks/bench_moe_layer.py" --iters 10 --warmup 3 \
     --json "$out/moe_layer.json" 2>&1 | grep -v '^W1' | tee "$out/moe_layer.txt"
-  timeout 120 python3 -m pytest -q "$here/tests/test_slot_sum.py" "$here/tests/test_rows.py" 2>&1 \
-    | tail -3 | tee "$out/moe_rows_tests.txt"
-  timeout 90 python3 "$here/benchmarks/bench_moe_rows.py" --json "$out/moe_rows.json" 2>&1 \
-    | tee "$out/moe_rows.txt"
   timeout 90 python3 "$here/scripts/profile_grouped_mm.py" --json "$out/grouped_mm_pieces.json" \
     > "$out/grouped_mm_pieces.txt" 2>&1
   grep -E "experts|per column|padded" "$out/grouped_mm_pieces.txt"

@@ -29,7 +29,6 @@ run torchrun --nproc-per-node=1 "$b/bench_host_time.py" --shape 256x5120 --shape
   --json "$out/host_time.json" 2>&1 | tee "$out/host_time.txt"
 run torchrun --nproc-per-node=1 "$b/bench_moe_layer.py" --iters 10 --warmup 3 \
   --json "$out/moe_layer.json" 2>&1 | tee "$out/moe_layer.txt"
-run python3 "$b/bench_moe_rows.py" --json "$out/moe_rows.json" 2>&1 | tee "$out/moe_rows.txt"
 if (( nproc < 2 )); then
   echo "one GPU: the exchange benchmarks need two or more" >&2
   exit 0

@@ -50,13 +50,12 @@ import torch.nn.functional as F
 from .._common import check_scaling_mode
 from ..exchange.agreement import _all_gather as all_gather
 from ..exchange.checks import group_rank_and_size
-from ..exchange.plain import HAS_FUNCOL, funcol
 from ..exchange.push import PushBuffer, counts_columns
 from ..exchange.wires import Wires, combine_default, leg_pair
 from . import agree
 from . import push as sp
-from . import rows as rows_ops
 from .dispatch_synced import _local_error, check_owner, mark_output, mxfp8_rows_error
+from .engine import Route, all_to_all, combine_rows, dispatch_rows
 from .plan import receive_plan, send_plan
 from .plan import static_rows as static_rows  # (public here)
 from .push import check_fits
@@ -103,78 +102,6 @@ class StaticHandle:
     push: PushBuffer | None = None
 
 
-def _all_to_all(t: torch.Tensor, group) -> torch.Tensor:
-    """all_to_all_single with equal splits (t's rows divide by the group size); a group of
-    one rank exchanges nothing (t itself)."""
-    if dist.get_world_size(group) == 1:
-        return t
-    if torch.compiler.is_compiling() and HAS_FUNCOL:
-        out = funcol.all_to_all_single(t.contiguous(), None, None, group or dist.group.WORLD)
-        return funcol.wait_tensor(out)
-    out = torch.empty_like(t)
-    dist.all_to_all_single(out, t.contiguous(), group=group)
-    return out
-
-
-class _Dispatch(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, rows_of, src_row, out_row, cap, world, group, push, wires, mode):
-        ctx.save_for_backward(rows_of, out_row)
-        wire = wires[0]
-        ctx.args = (x.shape[1], x.dtype, cap, group, push, wires[1], mode)
-        if push is not None:
-            return sp.push_dispatch_op(x, rows_of, src_row, push.key, cap, wire, mode)
-        buf = rows_ops.scatter_encode(x, rows_of, world * cap, wire, mode)
-        return rows_ops.gather_decode(_all_to_all(buf, group), src_row, x.shape[1], x.dtype, wire)
-
-    @staticmethod
-    def backward(ctx, grad):
-        rows_of, out_row = ctx.saved_tensors
-        hidden, dtype, cap, group, push, wire, mode = ctx.args
-        if push is not None:
-            grad_x, _ = sp.push_combine_op(grad.contiguous(), out_row, rows_of, None, push.key, cap,
-                                           wire, mode, False)  # fmt: skip
-        else:
-            back = _all_to_all(
-                rows_ops.gather_encode(grad.contiguous(), out_row, wire, mode), group
-            )
-            grad_x = rows_ops.slot_sum_decode(back, rows_of, None, hidden, dtype, wire)
-        return grad_x, None, None, None, None, None, None, None, None, None
-
-
-class _Combine(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, weights, rows_of, src_row, out_row, cap, group, push, wires, mode):
-        wire = wires[0]
-        ctx.args = (y.shape[1], y.dtype, cap, group, push, wires, mode)
-        if push is not None:  # (keeps the slots' rows for the backward: the buffer is reused)
-            out, back = sp.push_combine_op(y.contiguous(), out_row, rows_of, weights, push.key, cap,
-                                           wire, mode, any(ctx.needs_input_grad[:2]))  # fmt: skip
-        else:
-            back = _all_to_all(rows_ops.gather_encode(y.contiguous(), out_row, wire, mode), group)
-            out = rows_ops.slot_sum_decode(back, rows_of, weights, y.shape[1], y.dtype, wire)
-        ctx.save_for_backward(back, rows_of, src_row, weights)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        back, rows_of, src_row, weights = ctx.saved_tensors
-        hidden, dtype, cap, group, push, (kept, wire), mode = ctx.args
-        if push is not None:
-            grad_y, grad_w = sp.push_combine_backward_op(
-                grad.contiguous(), back, rows_of, weights, src_row, push.key, cap, kept, wire,
-                mode,
-            )  # fmt: skip
-        else:  # (``back`` holds the forward's ``kept`` rows; the gradient goes as ``wire``)
-            grad_buf, grad_w = rows_ops.slot_sum_decode_backward(
-                grad.contiguous(), back, rows_of, weights, back.shape[0], wire, mode, kept
-            )
-            grad_y = rows_ops.gather_decode(
-                _all_to_all(grad_buf, group), src_row, hidden, dtype, wire
-            )
-        return grad_y, grad_w.to(weights.dtype), None, None, None, None, None, None, None, None
-
-
 def _exchange_counts(rows_of, sent, stats, num_experts, capacity, group, push):
     """The counts all-to-all: [W, 1 + max(INLINE, L)] whatever L is, column 0 num_experts
     (itself, not dispatch's agreement word: its digest does not trace under torch.compile).
@@ -184,7 +111,7 @@ def _exchange_counts(rows_of, sent, stats, num_experts, capacity, group, push):
     world, local = sent.shape
     msg = F.pad(sent, (1, counts_columns(local) - 1 - local))
     msg[:, 0] = num_experts
-    recv = _all_to_all(msg, group) if push is None else sp.push_counts_op(msg, push.key)
+    recv = all_to_all(msg, None, None, group) if push is None else sp.push_counts_op(msg, push.key)
     agree = recv[:, 0] == num_experts  # [source rank]
     if capacity:  # rows to a rank that differs are not sent (nor read back by combine)
         kept = rows_of.ge(0)
@@ -292,9 +219,8 @@ def dispatch_static(
     rows_of, recv, stats = _exchange_counts(rows_of, sent.to(x.device), stats, num_experts,
                                             capacity, group, push)  # fmt: skip
     src_row, out_row, offs = receive_plan(recv, capacity, align)
-    out = _Dispatch.apply(
-        x, rows_of, src_row, out_row, capacity, world, group, push, wires, scaling_mode
-    )
+    route = Route(group, capacity, push=push)
+    out = dispatch_rows(x, rows_of, src_row, out_row, route, wires, scaling_mode)
     handle = StaticHandle(
         rows_of, src_row, out_row, offs, stats, capacity, x.shape[1], x.dtype, group,
         combine_default(exchange), scaling_mode, mark_output(out), push,
@@ -368,10 +294,9 @@ def combine_static(
     if (push := handle.push) is not None:
         check_fits(push, handle.capacity, h, handle.dtype, wires, push.count_columns,
                    expert_y.device)  # fmt: skip
-    return _Combine.apply(
-        expert_y, topk_weights, handle.rows_of, handle.src_row, handle.out_row, handle.capacity,
-        handle.group, handle.push, wires, handle.scaling_mode,
-    )  # fmt: skip
+    route = Route(handle.group, handle.capacity, push=handle.push)
+    return combine_rows(expert_y, topk_weights, handle.rows_of, handle.src_row, handle.out_row,
+                        route, wires, handle.scaling_mode)  # fmt: skip
 
 
 def check_no_drops(stats: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:

@@ -18,6 +18,10 @@ the messages). With more local experts than that, the counts follow in a second 
 they agree across ranks by construction. ``combine`` has no host sync and no collective
 besides its exchange.
 
+The rows move through the same engine as dispatch_static's (engine.py), on the plan's
+packed layout (plan.py: capacity=None): the counts read on the host give exact buffers and
+splits, no row dropped, none padded.
+
 Every rank of the group must call dispatch and combine alike (and run the backward alike).
 """
 
@@ -32,65 +36,45 @@ import torch.nn.functional as F
 
 from .. import _config
 from ..exchange import agreement
-from ..exchange.api import exchange_legs, to_mxfp8_a2a_dequant
 from ..exchange.checks import comm_device, device_error, group_rank_and_size, transport_terms
-from ..exchange.nccl import resolve
-from ..exchange.plain import all_to_all_rows
+from ..exchange.nccl import NCCL, resolve
 from ..exchange.transport import Transport
 from ..exchange.wires import Wires, check_leg_pair, combine_default, leg_pair
-from .permute import take_rows
-from .slot_sum import slot_sum
-
-
-def exchange_rows(
-    x: torch.Tensor,
-    output_splits: list[int],
-    input_splits: list[int],
-    group: dist.ProcessGroup | None,
-    wires: tuple[str, str],
-    transport: str | Transport = "nccl",
-) -> torch.Tensor:
-    """Differentiable all-to-all of x's rows, ``wires`` = (forward, backward): each "mxfp8"
-    (:func:`to_mxfp8_a2a_dequant`'s bits over ``transport``) or "bf16" (x's rows as they
-    are, in their own dtype)."""
-    forward, backward = wires
-    if forward == "mxfp8":
-        return to_mxfp8_a2a_dequant(
-            x, output_splits, input_splits, group, transport=transport, backward=backward
-        )
-    if backward == "bf16":
-        return all_to_all_rows(x, output_splits, input_splits, group)
-    chosen = resolve(transport)
-    return exchange_legs(x, output_splits, input_splits, group, "rceil", chosen, "bf16", "mxfp8")
+from .engine import Route, combine_rows, dispatch_rows
+from .plan import receive_plan, send_plan
 
 
 @dataclass
 class DispatchHandle:
     """What combine needs to undo a dispatch. Tensors are on x's device.
 
-    order: int64 [T * k] (token, slot) pairs sorted by expert (stable); inverse_order: its
-    inverse. regroup: int64 [N] received rows reordered from (source rank, expert) to
-    (expert, source rank); inverse_regroup: its inverse. input_splits / output_splits: rows
-    sent to / received from each rank. expert_offsets: int32 [L], end offset of each local
-    expert's rows in dispatch's output (what grouped GEMMs take). top_k, num_tokens, hidden:
-    for the final sum. exchange: combine's default (forward, backward) wires; transport: how
-    MXFP8 rows move. dispatch_id: which dispatch (see :func:`mark_output`).
+    rows_of: int64 [T, k], the send-buffer row of each (token, slot) (plan.py's packed
+    layout). src_row: int64 [N], the receive-buffer row of each output row; out_row: int64
+    [N], the output row of each receive-buffer row. input_splits / output_splits: rows sent
+    to / received from each rank. expert_offsets: int32 [L], end offset of each local
+    expert's rows in dispatch's output (what grouped GEMMs take). hidden: for the checks.
+    exchange: combine's default (forward, backward) wires; transport: how MXFP8 rows move.
+    dispatch_id: which dispatch (see :func:`mark_output`).
     """
 
-    order: torch.Tensor
-    inverse_order: torch.Tensor
-    regroup: torch.Tensor
-    inverse_regroup: torch.Tensor
+    rows_of: torch.Tensor
+    src_row: torch.Tensor
+    out_row: torch.Tensor
     input_splits: list[int]
     output_splits: list[int]
     expert_offsets: torch.Tensor
-    top_k: int
-    num_tokens: int
     hidden: int
     group: dist.ProcessGroup | None
     exchange: tuple[str, str]
-    transport: str | Transport = "nccl"
+    transport: Transport = NCCL
     dispatch_id: int = 0
+
+    @property
+    def route(self) -> Route:
+        """How this dispatch's buffers travel (engine.py)."""
+        transport = None if self.transport is NCCL else self.transport
+        splits = (self.input_splits, self.output_splits)
+        return Route(self.group, None, splits, transport=transport)
 
 
 _dispatch_ids = itertools.count(1)
@@ -121,12 +105,6 @@ def check_owner(expert_y: torch.Tensor, dispatch_id: int, what: str) -> None:
             f"expert_y is the output of another {what} (number {owner} in this process) than "
             f"the handle's (number {dispatch_id}); pass the handle returned with these rows"
         )
-
-
-def _inverse(perm: torch.Tensor) -> torch.Tensor:
-    inv = torch.empty_like(perm)
-    inv[perm] = torch.arange(perm.numel(), device=perm.device)
-    return inv
 
 
 def _local_error(x, topk_ids, num_experts, world, exchange, group) -> str | None:
@@ -230,7 +208,7 @@ def dispatch_reporting(
     in the counts all-to-all (topk_ids may then be None)."""
     rank, world = group_rank_and_size(group)
     error: Exception | None = None
-    terms, flat, counts = "", None, None
+    terms, counts = "", None
     try:
         chosen = resolve(transport)
         problem = problem or _local_error(x, topk_ids, num_experts, world, exchange, group)
@@ -248,15 +226,8 @@ def dispatch_reporting(
     local = num_experts // world if error is None else 0
     dev = comm_device(group)
     if error is None:
-        t, k = topk_ids.shape
-        flat = topk_ids.reshape(-1).to(torch.int64)
-        bad = ((flat < 0) | (flat >= num_experts)).any().reshape(1)
-        # scatter_add, not bincount: on CUDA bincount reads the ids' min and max on the host
-        counts = (
-            flat.new_zeros(num_experts)
-            .scatter_add_(0, flat.clamp(0, num_experts - 1), torch.ones_like(flat))
-            .view(world, local)
-        )
+        rows_of, counts, stats = send_plan(topk_ids, num_experts, world, None)  # packed
+        bad = stats[2:].clamp(max=1)  # ids outside [0, num_experts)
         word = bad.add(agreement.word(agreement.FINE, terms)).expand(world, 1)  # one kernel
         if local <= inline:
             sent = torch.cat([word, F.pad(counts, (0, inline - local))], 1).to(dev)
@@ -276,41 +247,31 @@ def dispatch_reporting(
         sizes = recv[:, 0].tolist()  # (no counts yet)
     words, sizes = sizes[:world], sizes[world:]
     if len(set(words)) > 1 or words[0] % 4:  # the same on every rank: it has every word
-        _raise_on_every_rank(words[rank] % 4, error, terms, flat, num_experts, group)
+        _raise_on_every_rank(words[rank] % 4, error, terms, topk_ids, num_experts, group)
     if local > inline:  # the ranks agree on num_experts: the counts' own all-to-all
         recv_counts = torch.empty_like(counts.to(dev))
         dist.all_to_all_single(recv_counts, counts.to(dev), group=group)
         sizes = torch.cat([counts.sum(1).to(dev), recv_counts.sum(1), recv_counts.sum(0)])
         sizes = sizes.tolist()
     input_splits, output_splits = sizes[:world], sizes[world : 2 * world]
-    per_expert = sizes[2 * world :]
-    order = torch.sort(flat, stable=True).indices
-    # received rows come as (source, expert) segments; regroup to (expert, source)
-    seg = torch.repeat_interleave(
-        torch.arange(world * local, device=x.device),
-        recv_counts.reshape(-1).to(x.device),
-        output_size=sum(output_splits),
-    )  # output_size: without it CUDA reads the total on the host
-    regroup = torch.sort((seg % local) * world + seg // local, stable=True).indices
-    inverse_order, inverse_regroup = _inverse(order), _inverse(regroup)
-    rows = exchange_rows(
-        take_rows(x, order // max(k, 1), inverse_order, k), output_splits, input_splits,
-        group, leg_pair(exchange, "dispatch"), chosen,
-    )  # fmt: skip
-    offsets = recv_counts.sum(0).cumsum(0).to(device=x.device, dtype=torch.int32)
-    out = take_rows(rows, regroup, inverse_regroup)
+    per_expert, n = sizes[2 * world :], sum(output_splits)
+    recv_counts = recv_counts.to(device=x.device, dtype=torch.int64)
+    src_row, out_row, offsets = receive_plan(recv_counts.contiguous(), None, 1, (n, n))
     handle = DispatchHandle(
-        order, inverse_order, regroup, inverse_regroup, input_splits, output_splits,
-        offsets, k, t, x.shape[1], group, combine_default(exchange), chosen, mark_output(out),
+        rows_of, src_row, out_row, input_splits, output_splits, offsets, x.shape[1], group,
+        combine_default(exchange), chosen,
     )  # fmt: skip
+    wires = leg_pair(exchange, "dispatch")
+    out = dispatch_rows(x, rows_of, src_row, out_row, handle.route, wires, "rceil")
+    handle.dispatch_id = mark_output(out)
     return out, per_expert, handle
 
 
-def _raise_on_every_rank(status, error, terms, flat, num_experts, group) -> None:
+def _raise_on_every_rank(status, error, terms, topk_ids, num_experts, group) -> None:
     """Some rank's word says bad arguments or ids, or the words differ: gather every rank's
     message or terms (agreement.py) and raise the same error on every rank."""
     if error is None and status == agreement.BAD_VALUES:
-        ids = flat[(flat < 0) | (flat >= num_experts)]
+        ids = topk_ids[(topk_ids < 0) | (topk_ids >= num_experts)]
         error = ValueError(
             f"topk_ids holds {ids.numel()} ids outside [0, num_experts={num_experts}) "
             f"(from {ids.min().item()} to {ids.max().item()}); route to existing experts"
@@ -320,7 +281,8 @@ def _raise_on_every_rank(status, error, terms, flat, num_experts, group) -> None
 
 
 def _check_combine(expert_y, topk_weights, handle: DispatchHandle, exchange) -> None:
-    n, t, k, h = handle.regroup.numel(), handle.num_tokens, handle.top_k, handle.hidden
+    n, h = handle.src_row.numel(), handle.hidden
+    t, k = handle.rows_of.shape
     if not isinstance(expert_y, torch.Tensor) or expert_y.dim() != 2:
         got = getattr(expert_y, "shape", type(expert_y).__name__)
         raise ValueError(f"expert_y must be a 2-D [{n}, {h}] tensor, got {got}")
@@ -329,10 +291,10 @@ def _check_combine(expert_y, topk_weights, handle: DispatchHandle, exchange) -> 
             f"expert_y must be [{n}, {h}] (one row per row dispatch returned, of dispatch's "
             f"hidden size), got {tuple(expert_y.shape)}"
         )
-    if expert_y.device != handle.regroup.device:
+    if expert_y.device != handle.rows_of.device:
         raise ValueError(
             f"expert_y is on {expert_y.device}, dispatch's tensors on "
-            f"{handle.regroup.device}; keep them on one device"
+            f"{handle.rows_of.device}; keep them on one device"
         )
     if not isinstance(topk_weights, torch.Tensor) or topk_weights.shape != (t, k):
         raise ValueError(
@@ -380,9 +342,6 @@ def combine(
     there is no cross-rank check here (it would cost a collective).
     """
     _check_combine(expert_y, topk_weights, handle, exchange)
-    y = take_rows(expert_y, handle.inverse_regroup, handle.regroup)
     wires = handle.exchange if exchange is None else leg_pair(exchange, "combine")
-    back = exchange_rows(
-        y, handle.input_splits, handle.output_splits, handle.group, wires, handle.transport
-    )
-    return slot_sum(back, handle.inverse_order.view(handle.num_tokens, handle.top_k), topk_weights)
+    return combine_rows(expert_y, topk_weights, handle.rows_of, handle.src_row, handle.out_row,
+                        handle.route, wires, "rceil")  # fmt: skip

@@ -249,7 +249,7 @@ def _slot_sum_decode_kernel(
     SOFT: tl.constexpr, BLOCK_T: tl.constexpr, NB: tl.constexpr, W: tl.constexpr,
 ):  # fmt: skip
     """out [n_tokens, hidden] = sum_j w[t, j] * decode(buf[rows_of[t, j]]) over the slots
-    that hold a row (UNIT: w all 1), as slot_sum's forward kernel."""
+    that hold a row (UNIT: w all 1), as slot_sum_reference."""
     first = tl.program_id(0).to(tl.int64) * BLOCK_T
     h0 = tl.program_id(1) * (NB * W)
     t, c0, cols, lmask, mask = _lanes(first, h0, n_tokens, hidden, BLOCK_T, NB, W, MX)

@@ -1,5 +1,5 @@
-"""Row movement of the static dispatch/combine: rows encoded for the wire straight into their
-slots of a send buffer, and decoded straight into their place on arrival.
+"""The row operations of the dispatch engine (engine.py): rows encoded for the wire straight
+into their slots of a send buffer, and decoded straight into their place on arrival.
 
 A wire buffer holds one row per slot: for ``wire="mxfp8"`` uint8 [R, wire_row(H)] (the
 packed MXFP8 row, K e4m3 bytes then K/32 scale bytes, padded to 16 bytes; the bits of
@@ -14,7 +14,7 @@ Indices are int64; -1 means "no row" (a dropped (token, slot) row, a padding row
 
 Decoded values are rounded to the output dtype before any arithmetic, and the sums run in
 fp32 over j in order with one rounding: exactly what dequantizing into rows and then
-``slot_sum`` / ``row_sums`` give. The ``*_reference`` functions are the plain-torch
+:func:`slot_sum_reference` give. The ``*_reference`` functions are the plain-torch
 definitions; for bf16 and fp32 rows on CUDA (and on CPU under TRITON_INTERPRET=1) the public
 functions run the kernels of row_kernels.py and row_kernels_backward.py instead, bit for bit
 the same (grad_w: equal within fp32 rounding, summed in another order), except that
@@ -35,7 +35,6 @@ from ..formats.quantize import quantize_reference
 from . import row_kernels as sk
 from . import row_kernels_backward as skb
 from .row_kernels import wire_shape
-from .slot_sum import slot_sum_reference
 
 WIRES = ("mxfp8", "bf16")
 
@@ -53,6 +52,19 @@ def decode(buf: torch.Tensor, hidden: int, dtype: torch.dtype, wire: str) -> tor
     if wire == "bf16":
         return buf.to(dtype)
     return dequantize_reference(*unpack(buf[:, : packed_row_bytes(hidden)]), dtype)
+
+
+def slot_sum_reference(rows: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor):
+    """The plain-torch definition: rows [N, H], pos int64 [T, k], weights [T, k] -> [T, H]
+    in rows' dtype, sums over j in order in fp32 (fp64 for fp64 rows)."""
+    acc_dtype = torch.promote_types(rows.dtype, torch.float32)
+    w = weights.to(rows.dtype).to(acc_dtype)
+    if pos.shape[1] == 0:  # zeros, still a function of rows and weights (empty sums)
+        return (rows.to(acc_dtype).sum(0) + w.sum(1, keepdim=True)).to(rows.dtype)
+    acc = rows.new_zeros((pos.shape[0], rows.shape[1]), dtype=acc_dtype)
+    for j in range(pos.shape[1]):
+        acc = acc + w[:, j : j + 1] * rows.index_select(0, pos[:, j]).to(acc_dtype)
+    return acc.to(rows.dtype)
 
 
 def _take(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
