@@ -24,7 +24,7 @@ from .._common import kernels_run_on
 from ..exchange.push import PushBuffer, lookup
 from . import row_kernels as sk
 from . import row_kernels_backward as skb
-from .rows import _op  # (ops named mxfp8_a2a::static_*)
+from .rows import _op  # (ops named mxfp8_a2a::moe_*)
 
 
 def check_fits(
@@ -145,7 +145,7 @@ push_combine_op = _op("push_combine", push_combine)
 push_combine_backward_op = _op("push_combine_backward", push_combine_backward)
 if hasattr(torch.fx.node, "has_side_effect"):  # (graph passes keep them even if unused: every
     for _name in ("counts", "dispatch", "combine", "combine_backward"):  # rank runs them all)
-        torch.fx.node.has_side_effect(getattr(torch.ops.mxfp8_a2a, f"static_push_{_name}").default)
+        torch.fx.node.has_side_effect(getattr(torch.ops.mxfp8_a2a, f"moe_push_{_name}").default)
 
 
 @push_counts_op.register_fake

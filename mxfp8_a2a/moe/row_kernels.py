@@ -14,7 +14,7 @@ first; sums over j in order in fp32, one rounding, no FMA (enable_fp_fusion=Fals
 grad_w, summed per column block in the kernel and over the blocks in torch (the reference
 within fp32 rounding, the same bits in every run).
 
-Layers: kernels -> launchers (allocation, tiles, grid) -> custom ops ``mxfp8_a2a::static_*``
+Layers: kernels -> launchers (allocation, tiles, grid) -> custom ops ``mxfp8_a2a::moe_*``
 (rows.py; push.py's for the encoders' ``*_into`` launchers with PUSH: rows
 stored straight into the receive buffers of the group's ranks).
 """

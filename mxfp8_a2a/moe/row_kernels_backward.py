@@ -147,7 +147,7 @@ def slot_sum_decode_backward_into(
 
 
 slot_sum_decode_backward_op = torch.library.custom_op(
-    "mxfp8_a2a::static_slot_sum_decode_backward", slot_sum_decode_backward, mutates_args=()
+    "mxfp8_a2a::moe_slot_sum_decode_backward", slot_sum_decode_backward, mutates_args=()
 )
 
 

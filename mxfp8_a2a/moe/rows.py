@@ -160,7 +160,7 @@ def slot_sum_decode_backward_reference(
 
 
 def _op(name: str, fn):
-    return torch.library.custom_op(f"mxfp8_a2a::static_{name}", fn, mutates_args=())
+    return torch.library.custom_op(f"mxfp8_a2a::moe_{name}", fn, mutates_args=())
 
 
 scatter_encode_op = _op("scatter_encode", sk.scatter_encode)
