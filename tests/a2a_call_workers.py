@@ -5,6 +5,7 @@ with fullgraph=True and CUDA graph capture; each runs on every rank of a process
 
 from __future__ import annotations
 
+import itertools
 import resource
 
 import torch
@@ -149,11 +150,13 @@ def memory_flat(rank, world, backend, calls):
 
 def compiled(rank, world, backend):
     """A compiled function calling the exchange traces with fullgraph=True, forward and
-    backward, and matches eager bit for bit; with backward="bf16" the gradient comes back
-    unquantized (2 * the dequantized rows, exactly)."""
+    backward, and matches eager bit for bit, for bf16 and fp32 rows (fp32: the dequantize
+    returns its rows in their own dtype, which torch 2.11 compiled into zero gradients);
+    with backward="bf16" the gradient comes back unquantized (2 * the dequantized rows,
+    exactly)."""
     dev = device_for(backend)
     splits = [2] * world
-    for backward in ("mxfp8", "bf16"):
+    for dtype, backward in itertools.product((torch.bfloat16, torch.float32), ("mxfp8", "bf16")):
 
         def step(x, backward=backward):
             y = mx.to_mxfp8_a2a_dequant(x, splits, splits, backward=backward)
@@ -162,12 +165,12 @@ def compiled(rank, world, backend):
         compiled_step = torch.compile(
             step, fullgraph=True, backend="inductor" if dev.type == "cuda" else "aot_eager"
         )
-        x = torch.randn(2 * world, 64, device=dev, dtype=torch.bfloat16)
+        x = torch.randn(2 * world, 64, device=dev, dtype=dtype)
         xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
         step(xa).backward()
         loss = compiled_step(xb)
         loss.backward()
-        assert torch.equal(xa.grad, xb.grad), backward
+        assert torch.equal(xa.grad, xb.grad), (dtype, backward)
         if backward == "bf16":
             assert torch.equal(xa.grad, 2 * mx.quantize_dequantize_reference(x))
 

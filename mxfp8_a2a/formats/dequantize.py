@@ -47,8 +47,12 @@ def dequantize_reference(
     b = scales.view(torch.uint8).to(torch.int32)
     mult = torch.exp2((b - 127).to(torch.float64)).to(torch.float32)
     y = data.float().reshape(*data.shape[:-1], k // BLOCK, BLOCK) * mult.unsqueeze(-1)
-    y = torch.where((b == 255).unsqueeze(-1), float("nan"), y)
-    return y.reshape(data.shape).to(out_dtype)
+    y = torch.where((b == 255).unsqueeze(-1), float("nan"), y).reshape(data.shape)
+    # no .to() to the dtype y already has: under torch.compile (torch 2.11) an
+    # autograd.Function whose forward returned such a .to() (it returns its input) got zero
+    # gradients, and its backward's collectives ran in the forward (the exchange's float32
+    # leg on CPU: ranks then paired different collectives)
+    return y if out_dtype == y.dtype else y.to(out_dtype)
 
 
 def _check_data_scales(data: torch.Tensor, scales: torch.Tensor) -> None:
