@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a GPU machine: GPU tests, tuning sweeps and benchmarks, logs in OUTDIR.
-#   [TESTS='tests/test_a2a.py ...'] [TEST_FILE_TIMEOUT=300] scripts/gpu_check.sh OUTDIR [tests|tune|bench|cast|pergroup|grouped|static|host|all]...
+#   [TESTS='tests/test_a2a.py ...' | PART=1|2] [TEST_FILE_TIMEOUT=300] scripts/gpu_check.sh OUTDIR [tests|tune|bench|cast|pergroup|grouped|static|ab|host|all]...
 # bench: the whole suite (scripts/run_benchmarks.sh, into OUTDIR/bench); cast, pergroup: the one-GPU parts
 # (pergroup adds the timing-spread probe and the per-group tiling sweep); grouped: grouped_mm's
 # GPU tests, the MoE layer benchmark (one rank), the FP8 experts piece by piece, their colwise
@@ -22,6 +22,20 @@ if has tests; then
   # GPU the whole folder takes far longer than one call (its two-process tests take seconds
   # each; the per-group file compiles for minutes on a fresh machine). One pytest per file,
   # each with its own timeout, so that one slow file leaves the others' results.
+  # PART=1 or PART=2 (when TESTS is unset): the suite in two device calls, each within one
+  # call's 10 minutes: the kernel files (Triton compiles for the GPU), then the layer and
+  # distributed ones.
+  part1="cast_kernels per_group_scales per_group_tiling row_scales weight_scales grouped_mm
+    grouped_mm_gpu grouped_mm_trailing torch_gemms moe_experts static_rows static_plan
+    static_gpu reference launch compile_targets"
+  if [[ -z "${TESTS:-}" && -n "${PART:-}" ]]; then
+    TESTS=""
+    for f in $(cd "$here" && echo tests/test_*.py); do
+      n=${f#tests/test_}; n=${n%.py}
+      if [[ " $(echo $part1) " == *" $n "* ]]; then [[ $PART == 1 ]] && TESTS+=" $f"
+      else [[ $PART == 2 ]] && TESTS+=" $f"; fi
+    done
+  fi
   : > "$out/tests.txt"
   for t in ${TESTS:-$(cd "$here" && echo tests/test_*.py)}; do
     echo "== $t" >> "$out/tests.txt"
@@ -63,6 +77,21 @@ if has static; then
     "$here/tests/test_static_rows.py" "$here/tests/test_grouped_mm_trailing.py" 2>&1 | tail -8 | tee "$out/static_tests.txt"
   timeout 280 torchrun --nproc-per-node=1 "$here/benchmarks/bench_moe_layer.py" --iters 10 --warmup 3 \
     --json "$out/moe_layer_static.json" 2>&1 | grep -v '^W1' | tee "$out/moe_layer_static.txt"
+fi
+if [[ " $stages " == *" ab "* ]]; then  # (not in "all": it needs BEFORE)
+  # eager layer timings of another checkout (BEFORE=DIR, e.g. build/before from
+  # `git archive <commit> | tar -x -C build/before`, carried to the device) and of this one,
+  # alternated three times in one call: the two paths' eager speed, before and after a change
+  before=${BEFORE:?ab needs BEFORE=DIR, another checkout of the repository}
+  vs=(--variant sync-bf16 --variant sync-mxfp8 --variant static-bf16 --variant static-mxfp8)
+  for i in 1 2 3; do
+    for tree in "$before" "$here"; do
+      name=$([[ $tree == "$here" ]] && echo after || echo before)
+      PYTHONPATH="$tree" timeout 150 torchrun --nproc-per-node=1 "$tree/benchmarks/bench_moe_layer.py" \
+        --iters 10 --warmup 3 "${vs[@]}" --json "$out/ab_${name}_$i.json" 2>&1 | grep -v '^W1' \
+        | tee "$out/ab_${name}_$i.txt"
+    done
+  done
 fi
 if has host; then
   # host time per exchange call (one rank per GPU)
