@@ -10,7 +10,7 @@ exactly what a training step calls. The median over --iters iterations after war
 taken per rank, then the max over ranks. Shapes are TOKENSxDIM per rank.
 
 The bf16 baseline is the library's own exchange of unquantized rows
-(mxfp8_a2a.exchange.plain.all_to_all_rows, what dispatch's exchange="bf16" runs).
+(mxfp8_a2a.exchange.plain.all_to_all_rows, a plain differentiable all-to-all).
 Columns: algbw = logical bf16 bytes each rank sends (tokens x dim x 2) / time, in GB/s;
 busbw = algbw * the share of those rows that leave the rank (the max over ranks; (n-1)/n
 with equal splits, as nccl-tests define it); SQNR of the forward output and of the

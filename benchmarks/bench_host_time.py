@@ -6,7 +6,7 @@ bound by it), bf16 vs MXFP8.
 For each case, ``--calls`` calls back to back (after warm-up), timed on the host clock
 without synchronizing inside the loop; the median per call over ``--repeats`` loops, max
 over ranks. bf16 is the library's differentiable exchange of unquantized rows
-(mxfp8_a2a.exchange.plain.all_to_all_rows: what dispatch's bf16 exchange calls). Cases:
+(mxfp8_a2a.exchange.plain.all_to_all_rows: a plain differentiable all-to-all). Cases:
 no-grad forward, forward with grad, forward+backward. On one GPU the group has one rank
 (the exchange goes through the same kernels and collective calls, with no traffic): it
 measures host time, not speed. ``--python-profile``: rank 0 also

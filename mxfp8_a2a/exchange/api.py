@@ -3,7 +3,7 @@
 Layers: the transport's ``exchange`` (nccl.py, copy_engine.py) -> ``_LegsAllToAll``
 (autograd: the backward is the same exchange with the splits swapped, on its own wire,
 MXFP8 or the rows unquantized) -> ``to_mxfp8_a2a_dequant`` (checks in checks.py, then the
-Function); ``exchange_legs`` is the Function's entry for dispatch and combine. Under
+Function); ``exchange_legs`` is the Function's entry. Under
 torch.compile the MXFP8 exchange is traced as quantize_packed -> functional
 all_to_all_single -> dequantize_packed (same results; the kept rows then go over the wire
 too), where torch has the functional collectives (plain.HAS_FUNCOL; else the eager

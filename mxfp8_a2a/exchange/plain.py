@@ -1,5 +1,5 @@
-"""The plain all-to-all of rows in their own dtype, differentiable: what dispatch and combine
-use for ``exchange="bf16"``.
+"""The plain all-to-all of rows in their own dtype, differentiable: the exchange's "bf16"
+backward leg, and the baseline the benchmarks compare MXFP8 with.
 
 Eager: an autograd Function around all_to_all_single (the backward is the same exchange
 with the splits swapped, itself differentiable). Under torch.compile, torch's functional

@@ -112,16 +112,16 @@ def _exchange_counts(rows_of, sent, stats, num_experts, capacity, group, push):
     msg = F.pad(sent, (1, counts_columns(local) - 1 - local))
     msg[:, 0] = num_experts
     recv = all_to_all(msg, None, None, group) if push is None else sp.push_counts_op(msg, push.key)
-    agree = recv[:, 0] == num_experts  # [source rank]
+    agrees = recv[:, 0] == num_experts  # [source rank]
     if capacity:  # rows to a rank that differs are not sent (nor read back by combine)
         kept = rows_of.ge(0)
-        rows_of = torch.where(agree[rows_of.div(capacity, rounding_mode="floor")], rows_of, -1)
+        rows_of = torch.where(agrees[rows_of.div(capacity, rounding_mode="floor")], rows_of, -1)
         lost = kept.sum() - rows_of.ge(0).sum()
     else:
         lost = stats.new_zeros(())
-    differs = (~agree).any() * num_experts
+    differs = (~agrees).any() * num_experts
     stats = torch.stack([stats[0] + lost, stats[1], stats[2], differs])
-    return rows_of, recv[:, 1 : 1 + local] * agree[:, None], stats
+    return rows_of, recv[:, 1 : 1 + local] * agrees[:, None], stats
 
 
 def _desc(t) -> str:
