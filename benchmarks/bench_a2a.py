@@ -123,7 +123,7 @@ def bench_shape(tokens, dim, kind, timer, device, mode, transports, graphs=False
     x = torch.randn(tokens, dim, device=device, dtype=torch.bfloat16)
     grad = torch.randn(sum(out_splits), dim, device=device, dtype=torch.bfloat16)
 
-    def bf16(x_):  # the library's own bf16 exchange (dispatch's exchange="bf16")
+    def bf16(x_):  # the library's own bf16 exchange (a plain differentiable all-to-all)
         return all_to_all_rows(x_, out_splits, in_splits)
 
     def mxfp8(transport):

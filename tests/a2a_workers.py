@@ -232,7 +232,7 @@ def sqnr_vs_bf16(rank, world, backend, seed):
 
 
 def plain_exchange(rank, world, backend, seed):
-    """exchange.plain.all_to_all_rows (the benchmarks. bf16 baseline): every rank.s rows arrive
+    """exchange.plain.all_to_all_rows (the benchmarks' bf16 baseline): every rank's rows arrive
     in rank order, unchanged, in their dtype; the gradient is the swapped exchange, and the
     backward is itself differentiable (double backward)."""
     from mxfp8_a2a.exchange.plain import all_to_all_rows
