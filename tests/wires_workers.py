@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from a2a_workers import device_for
+from robustness_workers import Renamed
 from static_workers import inputs
 
 import mxfp8_a2a as mx
@@ -49,7 +50,8 @@ def model(rank, world, seed, tokens_by_rank, top_k, per_rank, wires: mx.Wires):
 
 def legs_match_model(rank, world, backend, seed, tokens_by_rank, top_k, per_rank, exchange):
     """Synced and static dispatch/combine with ``exchange`` (a preset or Wires) against
-    :func:`model`, bit for bit (the weights' gradient within fp32 summation order)."""
+    :func:`model`, bit for bit (the weights' gradient within fp32 summation order); the
+    synced one also with a Transport object (the engine then hands it unquantized rows)."""
     dev = device_for(backend)
     wires = mx.Wires(*exchange) if isinstance(exchange, tuple) else mx.WIRE_PRESETS[exchange]
     experts = per_rank * world
@@ -57,20 +59,24 @@ def legs_match_model(rank, world, backend, seed, tokens_by_rank, top_k, per_rank
         rank, world, seed, tokens_by_rank, top_k, per_rank, wires
     )
     x, ids, w, grad = inputs(rank, seed, tokens_by_rank[rank], top_k, experts, "normal", dev)
-    for static in (False, True):
+    for path in ("synced", "synced-transport", "static"):
+        static = path == "static"
         xi, wi = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
         if static:
             cap = max(tokens_by_rank) * min(top_k, per_rank)
             ex, offs, handle = mx.dispatch_static(xi, ids, experts, cap, exchange=exchange)
             starts = [0, *offs.tolist()[:-1]]
         else:
-            ex, counts, handle = mx.dispatch(xi, ids, experts, exchange=exchange)
+            transport = Renamed() if path == "synced-transport" else "nccl"
+            ex, counts, handle = mx.dispatch(
+                xi, ids, experts, exchange=exchange, transport=transport
+            )
             starts = [0, *torch.tensor(counts).cumsum(0).tolist()[:-1]]
         y = ex * FACTOR
         y.retain_grad()
         out = (mx.combine_static if static else mx.combine)(y, wi, handle)
         (out.float() * grad.float()).sum().backward()
-        what = f"{'static' if static else 'synced'} {exchange} rank {rank}"
+        what = f"{path} {exchange} rank {rank}"
         for lid, a in enumerate(starts):
             n = want_rows[lid].shape[0]
             assert torch.equal(ex[a : a + n].detach().cpu(), want_rows[lid]), (what, lid)
