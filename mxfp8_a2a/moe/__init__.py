@@ -1,5 +1,20 @@
 """Expert-parallel MoE on the exchange: dispatch/combine (host-synced, or static-shape and
-sync-free), a layer built on them, and its data parallelism and checkpoints."""
+sync-free), a layer built on them, and its data parallelism and checkpoints.
+
+Files, from the user's call down:
+
+- front ends: dispatch_synced.py (``dispatch``/``combine``: counts read on the host, exact
+  shapes), dispatch_static.py (``dispatch_static``/``combine_static``: fixed capacity, no
+  sync), agree.py (the static path's once-per-configuration cross-rank check);
+- plan.py (+ plan_kernels.py): where every (token, slot) row goes, in the fixed-slot or the
+  packed layout;
+- engine.py: the autograd Functions that move the rows, one for both front ends, and how a
+  buffer travels (all_to_all_single, a PushBuffer, an MXFP8 Transport);
+- rows.py (+ row_kernels.py, row_kernels_backward.py): the row operations and their
+  plain-torch references; push.py: the PushBuffer's ops;
+- layer.py (ExpertParallelMoE), layer_checks.py, experts.py (grouped experts), parallel.py
+  (DDP/FSDP2), checkpoint.py (state_dict as DTensors, full_state_dict).
+"""
 
 from ..exchange.wires import EXCHANGES
 from .checkpoint import full_state_dict, load_full_state_dict, prepare_optimizer
