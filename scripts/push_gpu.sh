@@ -12,7 +12,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | t
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$out/gpu.txt"
 timeout 240 python3 -m pytest -q -rs --timeout 200 -p no:cacheprovider "$here/tests/test_static_push.py" \
   > "$out/push_tests.txt" 2>&1; tail -25 "$out/push_tests.txt"
-for t in tests/test_static_rows.py tests/test_static_plan.py "$@"; do
+for t in tests/test_rows.py tests/test_plan.py "$@"; do
   timeout 150 python3 -m pytest -q -rs -x --timeout 140 -p no:cacheprovider "$here/$t" 2>&1 | tail -6 \
     | tee -a "$out/static_tests.txt"
 done

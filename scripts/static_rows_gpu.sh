@@ -10,8 +10,8 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH="$here" PYTHONUNBUFFERED=1
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
-timeout 150 python3 -m pytest -q -rs -x --timeout 140 -p no:cacheprovider "$here/tests/test_static_plan.py" \
-  "$here/tests/test_static_rows.py" 2>&1 | tail -12 | tee "$out/static_tests.txt"
+timeout 150 python3 -m pytest -q -rs -x --timeout 140 -p no:cacheprovider "$here/tests/test_plan.py" \
+  "$here/tests/test_rows.py" 2>&1 | tail -12 | tee "$out/static_tests.txt"
 targs=""
 for t in $tiles; do targs="$targs --tile $t"; done
 timeout 120 python3 "$here/benchmarks/bench_static_kernels.py" $targs --json "$out/static_kernels.json" \

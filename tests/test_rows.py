@@ -1,4 +1,4 @@
-"""The static dispatch/combine's row kernels (mxfp8_a2a.moe.row_kernels) against the
+"""The dispatch engine's row kernels (mxfp8_a2a.moe.row_kernels) against the
 plain-torch references of rows.py, bit for bit (NaNs match as NaN): both wires, bf16
 and fp32 rows, fresh data of many magnitudes with NaN, inf, zeros, tiny and huge blocks,
 random wire bytes for the decoders, odd widths, no tokens, index holes (-1) in permuted
