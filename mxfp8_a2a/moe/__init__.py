@@ -5,7 +5,8 @@ Files, from the user's call down:
 
 - front ends: dispatch_synced.py (``dispatch``/``combine``: counts read on the host, exact
   shapes), dispatch_static.py (``dispatch_static``/``combine_static``: fixed capacity, no
-  sync), agree.py (the static path's once-per-configuration cross-rank check);
+  sync), arguments.py (the checks both share), agree.py (the static path's
+  once-per-configuration cross-rank check);
 - plan.py (+ plan_kernels.py): where every (token, slot) row goes, in the fixed-slot or the
   packed layout;
 - engine.py: the autograd Functions that move the rows, one for both front ends, and how a

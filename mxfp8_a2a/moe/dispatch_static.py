@@ -54,7 +54,7 @@ from ..exchange.push import PushBuffer, counts_columns
 from ..exchange.wires import Wires, combine_default, leg_pair
 from . import agree
 from . import push as sp
-from .dispatch_synced import _local_error, check_owner, mark_output, mxfp8_rows_error
+from .arguments import argument_error, check_owner, mark_output, mxfp8_rows_error
 from .engine import Route, all_to_all, combine_rows, dispatch_rows
 from .plan import receive_plan, send_plan
 from .plan import static_rows as static_rows  # (public here)
@@ -83,7 +83,7 @@ class StaticHandle:
     (the most rows it routed to one rank), ids outside [0, num_experts), and this rank's
     num_experts if some rank's differed, else 0 (STAT_NAMES).
     exchange: combine_static's default (forward, backward) wires.
-    dispatch_id: which dispatch (dispatch.mark_output; combine_static checks expert_y).
+    dispatch_id: which dispatch (arguments.mark_output; combine_static checks expert_y).
     push: the PushBuffer the rows travel through, None for NCCL/gloo.
     """
 
@@ -132,7 +132,7 @@ def _desc(t) -> str:
 
 def _check(x, topk_ids, num_experts, world, capacity, align, exchange, scaling_mode, group):
     """dispatch's own checks of its arguments, then what only the static path takes."""
-    if (problem := _local_error(x, topk_ids, num_experts, world, exchange, group)) is not None:
+    if (problem := argument_error(x, topk_ids, num_experts, world, exchange, group)) is not None:
         raise ValueError(problem)
     check_scaling_mode(scaling_mode)
     if not x.dtype.is_floating_point:
