@@ -81,10 +81,10 @@ fi
 if [[ " $stages " == *" ab "* ]]; then  # (not in "all": it needs BEFORE)
   # eager layer timings of another checkout (BEFORE=DIR, e.g. build/before from
   # `git archive <commit> | tar -x -C build/before`, carried to the device) and of this one,
-  # alternated three times in one call: the two paths' eager speed, before and after a change
+  # alternated AB_REPEATS (3) times in one call: both paths' eager speed, before and after
   before=${BEFORE:?ab needs BEFORE=DIR, another checkout of the repository}
   vs=(--variant sync-bf16 --variant sync-mxfp8 --variant static-bf16 --variant static-mxfp8)
-  for i in 1 2 3; do
+  for i in $(seq "${AB_REPEATS:-3}"); do
     for tree in "$before" "$here"; do
       name=$([[ $tree == "$here" ]] && echo after || echo before)
       PYTHONPATH="$tree" timeout 150 torchrun --nproc-per-node=1 "$tree/benchmarks/bench_moe_layer.py" \
