@@ -106,20 +106,24 @@ def receive_plan_reference(
     block = ends - padded  # where expert l's block starts
     from_src = recv.cumsum(0) - recv  # rows of l from sources before s
     in_src = recv.cumsum(1)  # inclusive: end of expert l's rows in source s's rows
-    per_src = in_src[:, -1] if local else recv.new_zeros(world)
-    if capacity is None:
+    if capacity is None:  # the (s, l) segment of each receive row by the segments' ends
+        per_src = in_src[:, -1]
         src_start = per_src.cumsum(0) - per_src
-    else:
-        src_start = torch.arange(world, device=recv.device) * capacity
-    i = torch.arange(n_recv, device=recv.device)
-    # the (s, l) segment of each receive row: segments' ends, flat, rise along the buffer
-    seg = torch.searchsorted((src_start[:, None] + in_src).reshape(-1), i, right=True)
-    s = seg // max(local, 1) if capacity is None else i // max(capacity, 1)
-    q = i - src_start[s]
-    used = q < per_src[s]
-    lc = (seg % max(local, 1)).clamp(max=max(local - 1, 0))
+        i = torch.arange(n_recv, device=recv.device)
+        seg = torch.searchsorted((src_start[:, None] + in_src).reshape(-1), i, right=True)
+        s, lc = seg // local, seg % local
+        q = i - src_start[s]
+        used = torch.ones_like(q, dtype=torch.bool)
+    else:  # (as [W, capacity]: no index division, which inductor's CPU loop split of torch
+        # 2.11 fails to compile)
+        q = torch.arange(capacity, device=recv.device).expand(world, capacity).contiguous()
+        lid = torch.searchsorted(in_src, q, right=True)  # local expert of each received row
+        used = lid < local
+        lc = lid.clamp(max=local - 1)
+        s = torch.arange(world, device=recv.device)[:, None]
     out = block[lc] + from_src[s, lc] + q - (in_src[s, lc] - recv[s, lc])
-    out_row = torch.where(used, out, -1)
+    out_row = torch.where(used, out, -1).reshape(-1)
+    i = torch.arange(n_recv, device=recv.device)
     # unused receive rows land in slots of their own past n_out (stores to one shared slot
     # would pile up on one address)
     src = torch.full((n_out + n_recv,), -1, dtype=torch.int64, device=recv.device)
