@@ -311,6 +311,17 @@ def parse_args(argv=None):
     return a
 
 
+def write_record(path, a, world, device, params, info, curve, eval_steps, bpbs, final=None):
+    """The run as JSON: config, corpus, curves so far; "complete" and the results (``final``:
+    tokens_per_s, dropped_rows, final_bits_per_byte) once the last step is done."""
+    config = {**vars(a), "world": world, "device": str(device), "params": params}
+    record = {"config": config, "corpus": info, "train_loss": curve,
+              "eval": {"step": eval_steps, "bits_per_byte": bpbs},
+              "complete": final is not None, **(final or {})}  # fmt: skip
+    with open(path, "w") as f:
+        json.dump(record, f)
+
+
 def main(argv=None) -> None:
     a = parse_args(argv)
     device, rank, world = init_distributed()
@@ -354,6 +365,8 @@ def main(argv=None) -> None:
         if step % a.eval_every == 0 or step == a.steps:  # held-out loss (steps done: `step`)
             eval_steps.append(step)
             bpbs.append(held_out_bpb(net, evals, eval_weights, a, device, autocast))
+            if rank == 0 and a.json and step < a.steps:  # a run cut short keeps its curves
+                write_record(a.json, a, world, device, params, info, curve, eval_steps, bpbs)
             clock = time.perf_counter()
         if step == a.steps:
             break
@@ -397,13 +410,9 @@ def main(argv=None) -> None:
         print(f"static dispatch: {int(dropped[0])} of {routed} rows dropped "
               f"(capacity factor {a.capacity_factor}); {tokens_per_s:,.0f} tokens/s")  # fmt: skip
         if a.json:
-            config = {**vars(a), "world": world, "device": str(device), "params": params}
-            record = {"config": config, "corpus": info, "train_loss": curve,
-                      "eval": {"step": eval_steps, "bits_per_byte": bpbs},
-                      "tokens_per_s": tokens_per_s, "dropped_rows": int(dropped[0]),
-                      "final_bits_per_byte": bpbs[-1]}  # fmt: skip
-            with open(a.json, "w") as f:
-                json.dump(record, f)
+            write_record(a.json, a, world, device, params, info, curve, eval_steps, bpbs,
+                         final=dict(tokens_per_s=tokens_per_s, dropped_rows=int(dropped[0]),
+                                    final_bits_per_byte=bpbs[-1]))  # fmt: skip
         print(f"final held-out bits/byte: {bpbs[-1]:.4f}", flush=True)
     del model, opt  # DDP's reducer holds the process group: let it go before the group
     dist.destroy_process_group()

@@ -22,6 +22,9 @@ def load_runs(paths: list[str]) -> list[dict]:
     for path in paths:
         with open(path) as f:
             run = json.load(f)
+        if not run.get("complete", True):  # cut short: curves, no final result
+            print(f"{path}: incomplete, last held-out eval at step {run['eval']['step'][-1]}")
+            continue
         c = run["config"]
         runs.append({**run, "path": path, "label": f"{c['exchange']}/{c['precision']}/{c['seed']}"})
     return runs

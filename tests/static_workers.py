@@ -16,12 +16,13 @@ from mxfp8_a2a.moe.rows import decode, encode
 HIDDEN = 64
 
 
-def inputs(src, seed, tokens, top_k, experts, routing, dev):
+def inputs(src, seed, tokens, top_k, experts, routing, dev, hidden=HIDDEN):
     """x bf16 [T, H] (rank-encoded: row t of rank s has s + 1 in column 0 and t in column 1,
-    random magnitudes elsewhere), ids [T, k], weights fp32 [T, k], grad [T, H] of rank src."""
+    random magnitudes elsewhere), ids [T, k], weights fp32 [T, k], grad [T, H] of rank src;
+    H = ``hidden``."""
     g = torch.Generator().manual_seed(seed * 100 + src)
     scale = torch.exp2(torch.randint(-8, 9, (tokens, 1), generator=g).float())
-    x = torch.randn(tokens, HIDDEN, generator=g) * scale
+    x = torch.randn(tokens, hidden, generator=g) * scale
     x[:, 0], x[:, 1] = src + 1, torch.arange(tokens).float()
     if routing == "one_expert":
         ids = (torch.arange(top_k)[None, :] + torch.zeros(tokens, 1, dtype=torch.long)) % experts
@@ -30,7 +31,7 @@ def inputs(src, seed, tokens, top_k, experts, routing, dev):
     else:
         ids = torch.rand(tokens, experts, generator=g).topk(top_k, dim=1).indices
     w = torch.rand(tokens, top_k, generator=g) + 0.1
-    grad = torch.randn(tokens, HIDDEN, generator=g)
+    grad = torch.randn(tokens, hidden, generator=g)
     return x.bfloat16().to(dev), ids.to(dev), w.to(dev), grad.bfloat16().to(dev)
 
 

@@ -39,6 +39,20 @@ def test_each_leg_matches_the_model(world, exchange):
     run_distributed(legs_match_model, world, "gloo", seed, tokens, 2, 2, exchange, timeout=300)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("hidden", [384, 2048, 7168])
+@pytest.mark.parametrize(
+    "exchange", ["mxfp8", "bf16", "mxfp8_to_experts", ("bf16", "mxfp8", "mxfp8", "bf16")],
+    ids=str,
+)  # fmt: skip
+def test_each_leg_matches_the_model_on_cuda(hidden, exchange):
+    """The same legs on CUDA tensors (the GPU kernels) against the CPU model, one rank."""
+    seed = random.randrange(2**31)
+    run_distributed(
+        legs_match_model, 1, "nccl", seed, [77], 2, 4, exchange, hidden, backend="nccl", timeout=300
+    )
+
+
 def test_layer_takes_presets_and_checks_hidden(group_of_one):
     layer = mx.ExpertParallelMoE(64, 32, 4, 2, exchange="mxfp8_to_experts")
     assert layer.wires == mx.WIRE_PRESETS["mxfp8_to_experts"]
