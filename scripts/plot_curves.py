@@ -53,8 +53,14 @@ def plot(runs: list[dict], out: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
-    for r in runs:
-        ax.plot(r["eval"]["step"], r["eval"]["bits_per_byte"], label=r["label"], lw=1)
+    configs = sorted({r["label"].rsplit("/", 1)[0] for r in runs})
+    seeds = sorted({r["config"]["seed"] for r in runs})
+    styles = ["-", "--", ":", "-."]
+    for r in runs:  # a colour per configuration, a line style per seed
+        color = f"C{configs.index(r['label'].rsplit('/', 1)[0]) % 10}"
+        style = styles[seeds.index(r["config"]["seed"]) % len(styles)]
+        ax.plot(r["eval"]["step"], r["eval"]["bits_per_byte"], label=r["label"], lw=1,
+                color=color, linestyle=style)  # fmt: skip
     finals = [r["final_bits_per_byte"] for r in runs]
     highest = max(max(r["eval"]["bits_per_byte"]) for r in runs)
     ax.set_ylim(0.97 * min(finals), min(highest, 1.5 * max(finals)) + 1e-3)  # the late steps
