@@ -1,0 +1,154 @@
+"""torchtitan's expert parallelism with MXFP8 rows on the wire (extra: mxfp8_a2a[torchtitan]).
+
+One flag on the command a torchtitan user already runs replaces the token dispatcher of every
+MoE layer that uses torchtitan's ``AllToAllTokenDispatcher`` (its "standard" EP backend)::
+
+    torchrun --nproc-per-node=2 -m torchtitan.train --module deepseek_v3 \\
+        --config deepseek_v3_debugmodel --parallelism.expert_parallel_degree 2 \\
+        --training.disable_cuda_graphs \\
+        --override.imports 'mxfp8_a2a.torchtitan.mxfp8_dispatch={"wire": "mxfp8"}'
+
+:class:`MXFP8TokenDispatcher` keeps that dispatcher's contract (inputs, outputs, rows grouped
+by local expert then by source rank, routing scores applied in ``combine``, token counts of
+the dtype and device torchtitan passes in) and moves the rows with :func:`mxfp8_a2a.dispatch`
+and :func:`mxfp8_a2a.combine`: rows encoded for the wire straight from the tokens, one packed
+exchange each way, decoded straight into the experts' layout, a wire per leg
+(``wire``: a preset of :data:`mxfp8_a2a.WIRE_PRESETS`). The counts exchange and its one host
+sync stay (as in torchtitan's own dispatcher), so torchtitan's CUDA-graph check still asks for
+``--training.disable_cuda_graphs`` when EP > 1.
+
+Numerics against torchtitan's own dispatcher with ``wire="bf16"``: the experts receive the
+same rows in the same order, bit for bit. ``combine`` differs in rounding only: torchtitan
+rounds each scored row to bf16 and sums a token's rows in bf16; this one rounds the scores to
+the rows' dtype, multiplies and sums in fp32 and rounds once (tests/test_torchtitan.py
+bounds the difference). With EP = 1 (no ``ep_mesh``) there is no wire: both take torchtitan's
+local path.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from dataclasses import dataclass
+
+import torch
+
+from .exchange.wires import WIRE_PRESETS
+from .moe.dispatch_synced import DispatchHandle, combine, dispatch
+
+SUPPORTED = ("0.3.",)  # torchtitan releases this module is tested with (the extra pins it)
+
+
+def _check_version() -> str:
+    try:
+        found = importlib.metadata.version("torchtitan")
+    except importlib.metadata.PackageNotFoundError:
+        raise ImportError(
+            "mxfp8_a2a.torchtitan needs torchtitan: pip install 'mxfp8_a2a[torchtitan]'"
+        ) from None
+    if not found.startswith(SUPPORTED):
+        raise ImportError(
+            f"mxfp8_a2a.torchtitan supports torchtitan {' / '.join(v + 'x' for v in SUPPORTED)}, "
+            f"found {found}: pip install 'mxfp8_a2a[torchtitan]' installs the tested release"
+        )
+    return found
+
+
+TORCHTITAN_VERSION = _check_version()
+
+from torchtitan.config.override import derive, override  # noqa: E402
+from torchtitan.models.common.token_dispatcher import (  # noqa: E402
+    AllToAllTokenDispatcher,
+    LocalTokenDispatcher,
+)
+
+DEFAULT_WIRE = "mxfp8"  # ExpertParallelMoE's default (BENCHMARKS.md: wire per leg)
+
+
+def _wire_error(wire: object) -> str | None:
+    if isinstance(wire, str) and wire in WIRE_PRESETS:
+        return None
+    return f"wire must be one of {sorted(WIRE_PRESETS)} (mxfp8_a2a.WIRE_PRESETS), got {wire!r}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class MXFP8DispatchMetadata:
+    """What :meth:`MXFP8TokenDispatcher.combine` needs: the dispatch's handle and the
+    routing scores ``topk_scores_TK`` (T, K) that combine applies."""
+
+    handle: DispatchHandle
+    topk_scores_TK: torch.Tensor  # noqa: N815
+
+
+class MXFP8TokenDispatcher(AllToAllTokenDispatcher):
+    """torchtitan's all-to-all token dispatcher with each leg on its own wire.
+
+    ``dispatch(x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E)``:
+    x_TD (T, D) bf16 or fp32 (D % 32 == 0 when a leg is MXFP8), scores (T, K) float, ids
+    (T, K) int64, counts (E,) integer. Returns ``routed_input_RD`` (R, D) in x's dtype, rows
+    grouped by local expert and within one by source rank (torchtitan's expert-major order);
+    ``tokens_per_local_expert`` (E / ep_size,) in the counts' dtype on their device; and the
+    metadata for ``combine(routed_output_RD, metadata, x_TD)``, which returns out_TD (T, D)
+    in x's dtype: for each token the sum over its experts of score * expert output.
+
+    Every EP rank must use the same wire; a different wire, or a hidden size that is not a
+    multiple of 32 with an MXFP8 leg, raises the same ValueError on every rank in dispatch.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(AllToAllTokenDispatcher.Config):
+        wire: str = DEFAULT_WIRE
+        """Wire preset of the four legs: "mxfp8", "mxfp8_to_experts" or "bf16"."""
+
+    def __init__(self, config: Config):
+        if (problem := _wire_error(config.wire)) is not None:
+            raise ValueError(problem)
+        super().__init__(config)
+        self.wire = config.wire
+
+    def dispatch(
+        self,
+        x_TD: torch.Tensor,  # noqa: N803
+        topk_scores_TK: torch.Tensor,  # noqa: N803
+        topk_expert_ids_TK: torch.Tensor,  # noqa: N803
+        num_local_tokens_per_expert_E: torch.Tensor,  # noqa: N803
+    ):
+        if self.ep_mesh is None:  # EP = 1: no wire, torchtitan's local reorder
+            return LocalTokenDispatcher.dispatch(
+                self, x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E
+            )
+        group = self.ep_mesh.get_group()
+        routed, _, handle = dispatch(
+            x_TD, topk_expert_ids_TK, self.num_experts, group, exchange=self.wire
+        )
+        ends = handle.expert_offsets  # int32 end offsets on x's device: no host copy
+        counts = torch.diff(ends, prepend=ends.new_zeros(1))
+        counts = counts.to(num_local_tokens_per_expert_E.dtype)
+        return routed, counts, MXFP8DispatchMetadata(handle=handle, topk_scores_TK=topk_scores_TK)
+
+    def combine(
+        self,
+        routed_output_RD: torch.Tensor,  # noqa: N803
+        metadata,
+        x_TD: torch.Tensor,  # noqa: N803
+    ) -> torch.Tensor:
+        if not isinstance(metadata, MXFP8DispatchMetadata):  # EP = 1
+            return LocalTokenDispatcher.combine(self, routed_output_RD, metadata, x_TD)
+        out = combine(routed_output_RD, metadata.topk_scores_TK, metadata.handle)
+        return out.to(x_TD.dtype)
+
+
+@override(
+    target=AllToAllTokenDispatcher.Config,
+    exact=True,
+    description="mxfp8_a2a: MXFP8 rows on the expert-parallel wire (a preset per leg)",
+)
+def mxfp8_dispatch(
+    cfg: AllToAllTokenDispatcher.Config, *, wire: str = DEFAULT_WIRE
+) -> MXFP8TokenDispatcher.Config:
+    """torchtitan override factory: every ``AllToAllTokenDispatcher.Config`` (exactly that
+    class: torchtitan's other dispatchers are left alone) becomes an
+    :class:`MXFP8TokenDispatcher.Config` with the same fields and ``wire``. Activate with
+    ``--override.imports 'mxfp8_a2a.torchtitan.mxfp8_dispatch={"wire": "mxfp8_to_experts"}'``."""
+    if (problem := _wire_error(wire)) is not None:
+        raise ValueError(f"mxfp8_a2a.torchtitan.mxfp8_dispatch: {problem}")
+    return derive(cfg, MXFP8TokenDispatcher.Config, wire=wire)

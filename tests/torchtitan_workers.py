@@ -1,0 +1,201 @@
+"""Workers of test_torchtitan.py: torchtitan's own modules (its deepseek_v3 debug model's MoE,
+sized down) with its AllToAllTokenDispatcher and with mxfp8_a2a.torchtitan's dispatcher, at
+expert-parallel degree = world (gloo, CPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torchtitan.distributed.utils import set_spmd_backend
+from torchtitan.models.common.moe import MoE
+from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+from torchtitan.models.deepseek_v3 import model_registry
+from wires_workers import FACTOR, model
+
+import mxfp8_a2a as mx
+from mxfp8_a2a.torchtitan import mxfp8_dispatch
+
+BF16_U = 2.0**-8  # bf16's unit roundoff
+
+
+def ep_mesh(world: int):
+    set_spmd_backend("partial_dtensor")  # torchtitan's tests do this first
+    return init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+
+
+def debug_moe_config(dim: int | None = None) -> MoE.Config:
+    """The MoE block of torchtitan's deepseek_v3 "debugmodel" (dim 256, 8 experts top-3,
+    2 shared experts), optionally at another width."""
+    spec = model_registry("debugmodel")
+    moe = next(cfg for _, cfg, _, _ in spec.model.traverse(MoE.Config))
+    if dim is not None:
+        moe = _with_dim(moe, dim)
+    return moe
+
+
+def _with_dim(cfg, dim: int):
+    """A copy of a config tree with every `dim` / `in_features`-like field of the old
+    width set to ``dim``."""
+    old = cfg.routed_experts.inner_experts.dim
+    if dataclasses.is_dataclass(cfg):
+        changes = {}
+        for f in dataclasses.fields(cfg):
+            v = getattr(cfg, f.name)
+            if dataclasses.is_dataclass(v):
+                changes[f.name] = _with_width(v, old, dim)
+        return dataclasses.replace(cfg, **changes)
+    return cfg
+
+
+def _with_width(cfg, old: int, new: int):
+    changes = {}
+    for f in dataclasses.fields(cfg):
+        if not f.init:
+            continue
+        v = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(v):
+            changes[f.name] = _with_width(v, old, new)
+        elif f.name in ("dim", "in_features") and v == old:
+            changes[f.name] = new
+        elif f.name == "out_features" and v == old:
+            changes[f.name] = new
+    return dataclasses.replace(cfg, **changes)
+
+
+def local_moe(cfg: MoE.Config, rank: int, world: int, seed: int, mesh) -> MoE:
+    """torchtitan's MoE built from ``cfg`` in bf16, weights drawn from ``seed`` (the same global
+    weights on every rank), this rank's experts only (what EP sharding leaves), the
+    dispatcher wired to ``mesh``."""
+    moe = cfg.build()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+        for b in moe.buffers():
+            b.zero_()
+    experts = moe.routed_experts.inner_experts
+    local = experts.num_experts // world
+    for name in ("w1_EFD", "w2_EDF", "w3_EFD"):
+        full = getattr(experts, name)
+        setattr(experts, name, torch.nn.Parameter(full.detach()[rank * local : (rank + 1) * local]))
+    moe.routed_experts.token_dispatcher.wire_meshes(ep_mesh=mesh)
+    return moe.bfloat16()  # what FSDP2's bf16 mixed precision computes with
+
+
+def run_moe(moe: MoE, x: torch.Tensor, g: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Forward and backward of sum(out * g): the output and every gradient."""
+    x = x.clone().requires_grad_(True)
+    out = moe(x)
+    (out.float() * g).sum().backward()
+    res = {"out": out.detach(), "x": x.grad}
+    res |= {n: p.grad for n, p in moe.named_parameters()}
+    return res
+
+
+def normwise(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def moe_bf16_matches_torchtitan(rank, world, seed, tokens, dim):
+    """torchtitan's MoE block with its own dispatcher and with ours on the bf16 wire: the
+    largest normwise relative difference of the output and each gradient."""
+    mesh = ep_mesh(world)
+    cfg = debug_moe_config(dim)
+    ours_cfg = dataclasses.replace(cfg)
+    rexp = dataclasses.replace(cfg.routed_experts)
+    rexp.token_dispatcher = mxfp8_dispatch(cfg.routed_experts.token_dispatcher, wire="bf16")
+    ours_cfg.routed_experts = rexp
+    gen = torch.Generator().manual_seed(seed * 10 + rank)
+    x = torch.randn(2, tokens, cfg.routed_experts.inner_experts.dim, generator=gen).bfloat16()
+    g = torch.randn(x.shape, generator=gen)
+    theirs = run_moe(local_moe(cfg, rank, world, seed, mesh), x, g)
+    ours = run_moe(local_moe(ours_cfg, rank, world, seed, mesh), x, g)
+    assert theirs.keys() == ours.keys()
+    return {k: normwise(ours[k], theirs[k]) for k in theirs}
+
+
+def _inputs(rank, seed, tokens, top_k, experts, dim):
+    gen = torch.Generator().manual_seed(seed * 100 + rank)
+    scale = torch.exp2(torch.randint(-8, 9, (tokens, 1), generator=gen).float())
+    x = (torch.randn(tokens, dim, generator=gen) * scale).bfloat16()
+    ids = torch.rand(tokens, experts, generator=gen).topk(top_k, dim=1).indices
+    scores = torch.rand(tokens, top_k, generator=gen) + 0.1
+    g = torch.randn(tokens, dim, generator=gen).bfloat16()
+    return x, ids, scores, g
+
+
+def _through(dispatcher, x, ids, scores, g, experts):
+    """dispatch -> y = routed * FACTOR (bf16) -> combine -> backward of sum(out * g)."""
+    x = x.clone().requires_grad_(True)
+    s = scores.clone().requires_grad_(True)
+    counts = torch.bincount(ids.flatten(), minlength=experts)
+    routed, per_expert, md = dispatcher.dispatch(x, s, ids, counts)
+    y = routed * FACTOR
+    y.retain_grad()
+    out = dispatcher.combine(y, md, x)
+    (out.float() * g.float()).sum().backward()
+    return dict(routed=routed.detach(), per_expert=per_expert, y=y.detach(), y_grad=y.grad,
+                out=out.detach(), x=x.grad, s=s.grad, md=md)  # fmt: skip
+
+
+def dispatcher_bf16_bounds(rank, world, seed, tokens, top_k, per_rank, dim):
+    """Our dispatcher (bf16 wire) against torchtitan's AllToAllTokenDispatcher, elementwise:
+    the rows and counts the experts get must be equal; out, the scores' and x's gradients
+    within the rounding bounds of the two combines (see test_torchtitan.py)."""
+    mesh = ep_mesh(world)
+    experts = per_rank * world
+    x, ids, scores, g = _inputs(rank, seed, tokens, top_k, experts, dim)
+    cfg = AllToAllTokenDispatcher.Config(num_experts=experts, top_k=top_k)
+    tt = cfg.build()
+    tt.wire_meshes(ep_mesh=mesh)
+    ours = mxfp8_dispatch(cfg, wire="bf16").build()
+    ours.wire_meshes(ep_mesh=mesh)
+    a, b = _through(tt, x, ids, scores, g, experts), _through(ours, x, ids, scores, g, experts)
+    assert torch.equal(a["routed"], b["routed"]), "the experts' rows differ"
+    assert a["per_expert"].dtype == b["per_expert"].dtype, (a["per_expert"], b["per_expert"])
+    assert torch.equal(a["per_expert"], b["per_expert"])
+    # M[t] = sum_j |s_j| |y_j|: torchtitan's combine of the magnitudes (fp32)
+    with torch.no_grad():
+        md = dataclasses.replace(a["md"], topk_scores_experts_sorted_N=a["md"]
+                                 .topk_scores_experts_sorted_N.abs())  # fmt: skip
+        mag = tt.combine(a["y"].abs().float(), md, x.float())
+        gmag = tt.combine(torch.ones_like(a["y"]).float(), md, x.float())  # sum_j |s_j|
+    diff = (b["out"].float() - a["out"].float()).abs()
+    worst_out = (diff / (mag * BF16_U).clamp_min(1e-30)).max().item()
+    # x's gradient: y = routed * FACTOR, so d out / d x[t] = FACTOR sum_j s_j g[t]
+    xmag = FACTOR * gmag * g.float().abs()
+    worst_x = (b["x"].float() - a["x"].float()).abs() / (xmag * BF16_U).clamp_min(1e-30)
+    # the scores' gradient: sum over D of g * y in fp32, in two summation orders
+    smag = torch.zeros_like(scores)
+    for j in range(top_k):  # |g| . |y_j|, y_j = x[t] * FACTOR in bf16 (the same rows)
+        smag[:, j] = (g.float().abs() * (x.float() * FACTOR).bfloat16().float().abs()).sum(1)
+    worst_s = ((b["s"] - a["s"]).abs() / (smag * 2.0**-24 * dim).clamp_min(1e-30)).max().item()
+    return worst_out, worst_x.max().item(), worst_s
+
+
+def dispatcher_matches_legs_model(rank, world, seed, tokens_by_rank, top_k, per_rank, wire, dim):
+    """Our dispatcher with an MXFP8 preset against the plain-torch model of its legs (the
+    wire tests' model): rows, their gradients, out and x's gradient bit for bit."""
+    mesh = ep_mesh(world)
+    experts = per_rank * world
+    wires = mx.WIRE_PRESETS[wire]
+    want_rows, want_grads, want_out, want_gx, want_gw, gw_abs = model(
+        rank, world, seed, tokens_by_rank, top_k, per_rank, wires, dim
+    )
+    from static_workers import inputs
+
+    x, ids, w, g = inputs(rank, seed, tokens_by_rank[rank], top_k, experts, "normal", "cpu", dim)
+    cfg = AllToAllTokenDispatcher.Config(num_experts=experts, top_k=top_k)
+    ours = mxfp8_dispatch(cfg, wire=wire).build()
+    ours.wire_meshes(ep_mesh=mesh)
+    r = _through(ours, x, ids, w, g, experts)
+    assert torch.equal(r["routed"], torch.cat(want_rows)), "rows"
+    assert r["per_expert"].tolist() == [len(v) for v in want_rows]
+    assert torch.equal(r["y_grad"], torch.cat(want_grads)), "rows' gradients"
+    assert torch.equal(r["out"], want_out), "out"
+    assert torch.equal(r["x"], want_gx), "x's gradient"
+    assert ((r["s"] - want_gw).abs() <= 2 * dim * 2.0**-24 * gw_abs + 1e-6).all(), "scores"
+    dist.barrier()
