@@ -77,3 +77,24 @@ def test_override_factory_checks_the_wire():
     with pytest.raises(ValueError, match="wire must be one of"):
         mxfp8_dispatch(cfg, wire="fp8")
     assert set(mx.WIRE_PRESETS) >= {"mxfp8", "bf16", "mxfp8_to_experts"}
+
+
+def test_override_replaces_every_moe_dispatcher_and_nothing_else():
+    from torchtitan_workers import overridden_debug_model
+
+    from mxfp8_a2a.torchtitan import MXFP8TokenDispatcher
+
+    _, _, lines, before, after = overridden_debug_model("mxfp8_to_experts")
+    changed = sorted(f for f in before if after[f] is not before[f])
+    assert changed == [f"layers.{i}.moe.routed_experts.token_dispatcher" for i in range(1, 6)]
+    assert {after[f] for f in changed} == {MXFP8TokenDispatcher.Config}
+    assert len(lines) == 5 and "wire='mxfp8_to_experts'" in lines[0], lines
+
+
+@pytest.mark.parametrize("wire", ["mxfp8", "bf16"])
+def test_debug_model_trains_with_the_override(wire, tmp_path):
+    from torchtitan_workers import debug_model_trains
+
+    losses = run_distributed(debug_model_trains, 2, 0, wire, 6, str(tmp_path), timeout=400)
+    for rank_losses in losses:
+        assert rank_losses[-1] < 0.8 * rank_losses[0], rank_losses

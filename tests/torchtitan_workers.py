@@ -8,7 +8,9 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
 from torchtitan.distributed.utils import set_spmd_backend
 from torchtitan.models.common.moe import MoE
 from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
@@ -16,7 +18,7 @@ from torchtitan.models.deepseek_v3 import model_registry
 from wires_workers import FACTOR, model
 
 import mxfp8_a2a as mx
-from mxfp8_a2a.torchtitan import mxfp8_dispatch
+from mxfp8_a2a.torchtitan import MXFP8TokenDispatcher, mxfp8_dispatch
 
 BF16_U = 2.0**-8  # bf16's unit roundoff
 
@@ -199,3 +201,91 @@ def dispatcher_matches_legs_model(rank, world, seed, tokens_by_rank, top_k, per_
     assert torch.equal(r["x"], want_gx), "x's gradient"
     assert ((r["s"] - want_gw).abs() <= 2 * dim * 2.0**-24 * gw_abs + 1e-6).all(), "scores"
     dist.barrier()
+
+
+OVERRIDE_FLAG = 'mxfp8_a2a.torchtitan.mxfp8_dispatch={"wire": "%s"}'
+
+
+def overridden_debug_model(wire: str):
+    """torchtitan's deepseek_v3 debug model config with the override applied as the trainer
+    applies it (the --override.imports string parsed by torchtitan); the original too."""
+    import copy
+
+    from torchtitan.config.configurable import Configurable
+    from torchtitan.config.override import OverrideConfig, apply_overrides, parse_cli_imports
+
+    original = model_registry("debugmodel").model
+    cfg = copy.deepcopy(original)
+    imports = parse_cli_imports([OVERRIDE_FLAG % wire])
+    lines = apply_overrides(OverrideConfig(imports=imports), cfg)
+    before = {f: type(c) for f, c, _, _ in original.traverse(Configurable.Config, recurse=True)}
+    after = {f: type(c) for f, c, _, _ in cfg.traverse(Configurable.Config, recurse=True)}
+    return original, cfg, lines, before, after
+
+
+class CausalSDPA(torch.nn.Module):
+    """A CPU stand-in for the debug model's flex attention (no backward on CPU): causal
+    scaled-dot-product attention on torchtitan's (B, L, heads, head_dim) layout."""
+
+    def forward(self, q, k, v, *, attention_masks=None, scale=None, **kwargs):
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        return out.transpose(1, 2)
+
+
+def debug_model_trains(rank, world, seed, wire, steps, ckpt):
+    """The overridden debug model at EP = world: every MoE layer on our dispatcher, nothing
+    else changed; forward, backward and AdamW steps on one batch; the state dict through DCP.
+    Returns the losses."""
+    import torch.distributed.checkpoint as dcp
+
+    mesh = ep_mesh(world)
+    _, cfg, lines, before, after = overridden_debug_model(wire)
+    changed = {f for f in before if after.get(f) is not before[f]}
+    assert before.keys() == after.keys() and changed, before.keys() ^ after.keys()
+    assert all(f.endswith(".moe.routed_experts.token_dispatcher") for f in changed), changed
+    assert all(after[f] is MXFP8TokenDispatcher.Config for f in changed)
+    assert len(lines) == len(changed) == sum(f.endswith(".moe") for f in before), lines
+    torch.manual_seed(seed)  # the same initial weights on every rank
+    net = cfg.build()
+    net.init_states()
+    moes = [m for m in net.modules() if isinstance(m, MoE)]
+    assert len(moes) == len(changed)
+    for moe in moes:
+        d = moe.routed_experts.token_dispatcher
+        assert type(d) is MXFP8TokenDispatcher and d.wire == wire
+        experts, local = moe.routed_experts.inner_experts, d.num_experts // world
+        for name in ("w1_EFD", "w2_EDF", "w3_EFD"):
+            w = getattr(experts, name).detach()[rank * local : (rank + 1) * local]
+            # sharded over the EP mesh as torchtitan's EP leaves them: a DTensor, Shard(0)
+            w = DTensor.from_local(w.clone(), mesh, [Shard(0)], run_check=False)
+            setattr(experts, name, torch.nn.Parameter(w))
+        d.wire_meshes(ep_mesh=mesh)
+    mine = {id(p) for m in moes for p in m.routed_experts.inner_experts.parameters()}
+    opt = torch.optim.AdamW(net.parameters(), lr=3e-3)
+    gen = torch.Generator().manual_seed(seed + rank)  # each rank its own batch
+    tokens = torch.randint(0, 2048, (2, 33), generator=gen)
+    for block in net.layers.values():
+        block.attention.inner_attention = CausalSDPA()
+    losses = []
+    for _ in range(steps):
+        logits = net(tokens[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+        opt.zero_grad()
+        loss.backward()
+        for p in net.parameters():  # data parallel over the EP ranks: average the rest
+            if id(p) not in mine and p.grad is not None:
+                dist.all_reduce(p.grad)
+                p.grad /= world
+        opt.step()
+        losses.append(loss.item())
+    # the dispatcher holds no state: the state dict is the model's, through DCP and back
+    state = net.state_dict()
+    assert not any("token_dispatcher" in k for k in state)
+    dcp.save(state, checkpoint_id=ckpt)
+    loaded = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(loaded, checkpoint_id=ckpt)
+    for k, v in state.items():
+        a, b = (t.to_local() if isinstance(t, DTensor) else t for t in (loaded[k], v))
+        assert torch.equal(a, b), k
+    return losses
