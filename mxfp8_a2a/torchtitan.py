@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from .exchange.wires import WIRE_PRESETS
-from .moe.dispatch_synced import DispatchHandle, combine, dispatch
+from .moe.dispatch_synced import DispatchHandle, combine, dispatch_reporting
 
 SUPPORTED = ("0.3.",)  # torchtitan releases this module is tested with (the extra pins it)
 
@@ -61,6 +61,12 @@ from torchtitan.models.common.token_dispatcher import (  # noqa: E402
     LocalTokenDispatcher,
 )
 
+COMPILE_ERROR = (
+    "MXFP8TokenDispatcher cannot be traced by torch.compile: its dispatch reads the token "
+    "counts on the host (one sync per call) through code Dynamo does not trace. Leave the MoE "
+    "blocks eager (run without --compile.enable, or compile only other components), or use "
+    "torchtitan's own dispatcher where the blocks must be compiled"
+)
 DEFAULT_WIRE = "mxfp8"  # ExpertParallelMoE's default (BENCHMARKS.md: wire per leg)
 
 
@@ -116,10 +122,15 @@ class MXFP8TokenDispatcher(AllToAllTokenDispatcher):
             return LocalTokenDispatcher.dispatch(
                 self, x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E
             )
+        if torch.compiler.is_compiling():
+            raise RuntimeError(COMPILE_ERROR)
         group = self.ep_mesh.get_group()
-        routed, _, handle = dispatch(
-            x_TD, topk_expert_ids_TK, self.num_experts, group, exchange=self.wire
-        )
+        # functional collectives: torchtitan's selective checkpointing saves their outputs,
+        # so a recomputed block does not exchange again
+        routed, _, handle = dispatch_reporting(
+            x_TD, topk_expert_ids_TK, self.num_experts, group, self.wire, "nccl", None,
+            functional=True,
+        )  # fmt: skip
         ends = handle.expert_offsets  # int32 end offsets on x's device: no host copy
         counts = torch.diff(ends, prepend=ends.new_zeros(1))
         counts = counts.to(num_local_tokens_per_expert_E.dtype)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 pytest.importorskip("torchtitan")
 
@@ -98,3 +99,46 @@ def test_debug_model_trains_with_the_override(wire, tmp_path):
     losses = run_distributed(debug_model_trains, 2, 0, wire, 6, str(tmp_path), timeout=400)
     for rank_losses in losses:
         assert rank_losses[-1] < 0.8 * rank_losses[0], rank_losses
+
+
+@pytest.mark.parametrize("wire", ["bf16", "mxfp8"])
+def test_checkpointing_runs_the_collectives_torchtitan_runs(wire):
+    """Selective checkpointing (torchtitan's policy saves functional all_to_all_single) does
+    not exchange again in backward; full checkpointing recomputes the block, as for
+    torchtitan's own dispatcher; results equal to the block without checkpointing."""
+    from torchtitan_workers import collectives_under_checkpointing
+
+    for policy, want in ((None, (3, 2)), ("selective", (3, 2)), ("full", (3, 5))):
+        s = seed()
+        theirs = run_distributed(collectives_under_checkpointing, 2, s, None, policy)
+        ours = run_distributed(collectives_under_checkpointing, 2, s, wire, policy)
+        plain = run_distributed(collectives_under_checkpointing, 2, s, wire, None)
+        for t, o, p in zip(theirs, ours, plain, strict=True):
+            assert t[:2] == want and o[:2] == want, (policy, t[:2], o[:2])
+            assert torch.equal(o[2], p[2]) and torch.equal(o[3], p[3]), policy
+
+
+def test_compiled_block_raises_a_clear_error():
+    from torchtitan_workers import compiled_block_error
+
+    for err in run_distributed(compiled_block_error, 2, 0, timeout=300):
+        assert err is not None and "cannot be traced by torch.compile" in err, err
+
+
+@pytest.mark.parametrize("case", ["hidden", "wire"])
+def test_mistakes_raise_on_every_rank(case):
+    from torchtitan_workers import mistake_error
+
+    want = "multiple of 32" if case == "hidden" else "exchange"
+    for err in run_distributed(mistake_error, 2, case):
+        assert err is not None and want in err, err
+
+
+def test_unsupported_torchtitan_version_is_refused(monkeypatch):
+    import importlib.metadata
+
+    import mxfp8_a2a.torchtitan as tt
+
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.4.0")
+    with pytest.raises(ImportError, match="supports torchtitan 0.3.x, found 0.4.0"):
+        tt._check_version()

@@ -289,3 +289,66 @@ def debug_model_trains(rank, world, seed, wire, steps, ckpt):
         a, b = (t.to_local() if isinstance(t, DTensor) else t for t in (loaded[k], v))
         assert torch.equal(a, b), k
     return losses
+
+
+def count_all_to_alls(fn) -> tuple[object, int]:
+    """fn()'s result and the all-to-all collectives it ran (c10d's own op, under every
+    path: the process group's call, dist.all_to_all_single, functional collectives)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = fn()
+    return out, sum(e.count for e in prof.key_averages() if e.key == "c10d::alltoall_base_")
+
+
+def collectives_under_checkpointing(rank, world, seed, wire, policy):
+    """torchtitan's debug MoE block (our dispatcher, or torchtitan's with wire None) wrapped
+    as torchtitan wraps blocks (policy "selective", "full" or None): all-to-alls in the
+    forward and in the backward, and the results."""
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+    mesh = ep_mesh(world)
+    cfg = debug_moe_config()
+    if wire is not None:
+        cfg.routed_experts.token_dispatcher = mxfp8_dispatch(
+            cfg.routed_experts.token_dispatcher, wire=wire
+        )
+    block = local_moe(cfg, rank, world, seed, mesh)
+    if policy is not None:
+        ac = (SelectiveAC if policy == "selective" else FullAC).Config().build()
+        block = ac._wrap_block(block, base_fqn="layers.1.moe")
+    gen = torch.Generator().manual_seed(seed * 10 + rank)
+    x = torch.randn(2, 16, 256, generator=gen).bfloat16().requires_grad_(True)
+    g = torch.randn(x.shape, generator=gen)
+    out, fwd = count_all_to_alls(lambda: block(x))
+    _, bwd = count_all_to_alls(lambda: (out.float() * g).sum().backward())
+    return fwd, bwd, out.detach(), x.grad
+
+
+def compiled_block_error(rank, world, seed):
+    """A block compiled as torchtitan compiles blocks (fullgraph): the error it raises."""
+    mesh = ep_mesh(world)
+    cfg = debug_moe_config()
+    cfg.routed_experts.token_dispatcher = mxfp8_dispatch(cfg.routed_experts.token_dispatcher)
+    block = local_moe(cfg, rank, world, seed, mesh)
+    block.compile(fullgraph=True)
+    try:
+        block(torch.randn(2, 8, 256).bfloat16())
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def mistake_error(rank, world, case):
+    """The error each rank sees for a mistake on some ranks: "hidden" (a width that is not
+    a multiple of 32 with an MXFP8 leg, all ranks), "wire" (rank 0 on another wire)."""
+    mesh = ep_mesh(world)
+    wire = "bf16" if case == "wire" and rank == 0 else "mxfp8"
+    d = mxfp8_dispatch(AllToAllTokenDispatcher.Config(num_experts=2 * world, top_k=2), wire=wire)
+    d = d.build()
+    d.wire_meshes(ep_mesh=mesh)
+    dim = 48 if case == "hidden" else 64
+    x, ids = torch.randn(6, dim).bfloat16(), torch.randint(0, 2 * world, (6, 2))
+    try:
+        d.dispatch(x, torch.rand(6, 2), ids, torch.bincount(ids.flatten(), minlength=2 * world))
+    except ValueError as e:
+        return str(e)
+    return None

@@ -40,7 +40,7 @@ from ..exchange.nccl import NCCL, resolve
 from ..exchange.transport import Transport
 from ..exchange.wires import Wires, check_leg_pair, combine_default, leg_pair
 from .arguments import argument_error, check_owner, mark_output, mxfp8_rows_error
-from .engine import Route, combine_rows, dispatch_rows
+from .engine import Route, all_to_all, combine_rows, dispatch_rows
 from .plan import receive_plan, send_plan
 
 
@@ -54,7 +54,8 @@ class DispatchHandle:
     to / received from each rank. expert_offsets: int32 [L], end offset of each local
     expert's rows in dispatch's output (what grouped GEMMs take). hidden: for the checks.
     exchange: combine's default (forward, backward) wires; transport: how MXFP8 rows move.
-    dispatch_id: which dispatch (see :func:`mark_output`).
+    dispatch_id: which dispatch (see :func:`mark_output`). functional: the exchanges as
+    torch's functional all_to_all_single (see engine.Route).
     """
 
     rows_of: torch.Tensor
@@ -68,13 +69,14 @@ class DispatchHandle:
     exchange: tuple[str, str]
     transport: Transport = NCCL
     dispatch_id: int = 0
+    functional: bool = False
 
     @property
     def route(self) -> Route:
         """How this dispatch's buffers travel (engine.py)."""
         transport = None if self.transport is NCCL else self.transport
         splits = (self.input_splits, self.output_splits)
-        return Route(self.group, None, splits, transport=transport)
+        return Route(self.group, None, splits, transport=transport, functional=self.functional)
 
 
 def _terms(x: torch.Tensor, num_experts: int, exchange, transport: Transport) -> str:
@@ -131,11 +133,15 @@ def dispatch_reporting(
     exchange: str,
     transport: str | Transport,
     problem: str | None,
+    *,
+    functional: bool = False,
 ) -> tuple[torch.Tensor, list[int], DispatchHandle]:
     """:func:`dispatch`, with ``problem`` (what the caller found wrong with this rank's
     arguments, or None) raised like dispatch's own checks: as the same ValueError on every
     rank, so that a layer whose input is bad on one rank does not leave the others waiting
-    in the counts all-to-all (topk_ids may then be None)."""
+    in the counts all-to-all (topk_ids may then be None). functional: every all-to-all
+    (counts and rows) as torch's functional collective, which selective activation
+    checkpointing policies save (torchtitan's does) instead of running it again."""
     rank, world = group_rank_and_size(group)
     error: Exception | None = None
     terms, counts = "", None
@@ -166,8 +172,7 @@ def dispatch_reporting(
     else:
         sent = torch.zeros(world, 1 + inline, dtype=torch.int64, device=dev)
         sent[:, 0] = agreement.status_of(error)
-    recv = torch.empty_like(sent)
-    dist.all_to_all_single(recv, sent, group=group)  # [source, word | counts]
+    recv = all_to_all(sent, None, None, group, functional)  # [source, word | counts]
     if 0 < local <= inline:
         recv_counts = recv[:, 1 : 1 + local]  # [source, local expert]
         sizes = torch.cat(
@@ -179,8 +184,7 @@ def dispatch_reporting(
     if len(set(words)) > 1 or words[0] % 4:  # the same on every rank: it has every word
         _raise_on_every_rank(words[rank] % 4, error, terms, topk_ids, num_experts, group)
     if local > inline:  # the ranks agree on num_experts: the counts' own all-to-all
-        recv_counts = torch.empty_like(counts.to(dev))
-        dist.all_to_all_single(recv_counts, counts.to(dev), group=group)
+        recv_counts = all_to_all(counts.to(dev), None, None, group, functional)
         sizes = torch.cat([counts.sum(1).to(dev), recv_counts.sum(1), recv_counts.sum(0)])
         sizes = sizes.tolist()
     input_splits, output_splits = sizes[:world], sizes[world : 2 * world]
@@ -189,7 +193,7 @@ def dispatch_reporting(
     src_row, out_row, offsets = receive_plan(recv_counts.contiguous(), None, 1, (n, n))
     handle = DispatchHandle(
         rows_of, src_row, out_row, input_splits, output_splits, offsets, x.shape[1], group,
-        combine_default(exchange), chosen,
+        combine_default(exchange), chosen, functional=functional,
     )  # fmt: skip
     wires = leg_pair(exchange, "dispatch")
     out = dispatch_rows(x, rows_of, src_row, out_row, handle.route, wires, "rceil")

@@ -40,6 +40,8 @@ class Route:
     rows this rank sends to and receives from each rank, in dispatch's direction (combine
     swaps them). push: a PushBuffer (fixed slots only). transport: an MXFP8 Transport that
     moves unquantized rows (packed only; None: the buffers go through all_to_all_single).
+    functional: all_to_all_single as torch's functional collective (an op that selective
+    activation checkpointing can save instead of running the exchange again in backward).
     """
 
     group: dist.ProcessGroup | None
@@ -47,6 +49,7 @@ class Route:
     splits: tuple[list[int], list[int]] | None = None
     push: PushBuffer | None = None
     transport: Transport | None = None
+    functional: bool = False
 
     def world(self) -> int:
         return dist.get_world_size(self.group) if dist.is_initialized() else 1
@@ -64,20 +67,21 @@ class Route:
     def move(self, buf: torch.Tensor, back: bool, wire: str, mode: str) -> torch.Tensor:
         """buf in dispatch's send layout -> its receive layout (back: the reverse)."""
         if self.splits is None:
-            return all_to_all(buf, None, None, self.group)
+            return all_to_all(buf, None, None, self.group, self.functional)
         send, recv = self.splits if not back else self.splits[::-1]
         if self.transport is not None and wire == "mxfp8":
             return self.transport.exchange(buf, recv, send, self.group, mode)
-        return all_to_all(buf, recv, send, self.group)
+        return all_to_all(buf, recv, send, self.group, self.functional)
 
 
-def all_to_all(t: torch.Tensor, out_splits, in_splits, group) -> torch.Tensor:
+def all_to_all(t: torch.Tensor, out_splits, in_splits, group, functional=False) -> torch.Tensor:
     """all_to_all_single of t's rows (splits None: equal, t's rows divide by the group
-    size); a group of one rank exchanges nothing (t itself)."""
+    size); a group of one rank exchanges nothing (t itself). functional (or under
+    torch.compile): torch's functional collective, else the process group's own call."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return t
     t = t.contiguous()
-    if torch.compiler.is_compiling() and HAS_FUNCOL:
+    if (functional or torch.compiler.is_compiling()) and HAS_FUNCOL:
         out = funcol.all_to_all_single(t, out_splits, in_splits, group or dist.group.WORLD)
         return funcol.wait_tensor(out)
     rows = t.shape[0] if out_splits is None else sum(out_splits)
