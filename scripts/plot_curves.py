@@ -30,12 +30,15 @@ def load_runs(paths: list[str]) -> list[dict]:
     return runs
 
 
-def table(runs: list[dict]) -> list[tuple[str, float, float | None, str]]:
-    """[(label, final bits/byte, gap in % to the same seed's bf16/bf16 run or None, path)]."""
+def table(
+    runs: list[dict], baseline: str = "bf16/bf16"
+) -> list[tuple[str, float, float | None, str]]:
+    """[(label, final value, gap in % to the same seed's ``baseline`` run (exchange/precision)
+    or None, path)]."""
     base = {
         r["config"]["seed"]: r["final_bits_per_byte"]
         for r in runs
-        if (r["config"]["exchange"], r["config"]["precision"]) == ("bf16", "bf16")
+        if f"{r['config']['exchange']}/{r['config']['precision']}" == baseline
     }
     rows = []
     for r in runs:
@@ -64,7 +67,9 @@ def plot(runs: list[dict], out: str) -> None:
     finals = [r["final_bits_per_byte"] for r in runs]
     highest = max(max(r["eval"]["bits_per_byte"]) for r in runs)
     ax.set_ylim(0.97 * min(finals), min(highest, 1.5 * max(finals)) + 1e-3)  # the late steps
-    ax.set(xlabel="step", ylabel="held-out bits/byte", title="examples/train_lm.py")
+    metric = runs[0].get("metric", "held-out bits/byte")
+    ax.set(xlabel="step", ylabel=metric, title="examples/train_lm.py" if "metric" not in runs[0]
+           else "torchtitan")  # fmt: skip
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
     fig.tight_layout()
@@ -77,11 +82,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("runs", nargs="+", help="JSON files written by train_lm.py --json")
     p.add_argument("--out", default="curves.png", help="the PNG to write")
     p.add_argument("--no-plot", action="store_true", help="print the table only")
+    p.add_argument("--baseline", default="bf16/bf16",
+                   help="exchange/precision of the runs the gaps are taken to")  # fmt: skip
     a = p.parse_args(argv)
     runs = sorted(load_runs(a.runs), key=lambda r: r["label"])
-    print(f"{'run (exchange/precision/seed)':40s} {'final bits/byte':>16s} {'vs bf16':>9s}  file")
+    print(f"{'run (exchange/precision/seed)':40s} {'final bits/byte':>16s} {'vs base':>9s}  file")
     gaps: dict[str, list[float]] = {}
-    for label, final, gap, path in table(runs):
+    for label, final, gap, path in table(runs, a.baseline):
         print(f"{label:40s} {final:16.4f} {'' if gap is None else f'{gap:+.2f}%':>9s}  {path}")
         if gap is not None:
             gaps.setdefault(label.rsplit("/", 1)[0], []).append(gap)

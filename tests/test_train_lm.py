@@ -164,3 +164,23 @@ def test_gpu_size():
     expert = 2 * a.d_model * a.ffn * a.layers
     dense = a.layers * 4 * a.d_model**2 + 2 * 256 * a.d_model  # attention, embedding, head
     assert 50e6 <= dense + expert * a.experts <= 150e6
+
+
+def test_torchtitan_log_to_curves(tmp_path):
+    """scripts/torchtitan_log.py reads the trainer's coloured metric lines into the record
+    plot_curves.py compares (gaps to torchtitan's own dispatcher with --baseline)."""
+    lines = "\x1b[31mstep: {s:2}  \x1b[32mloss: {l:8.5f}  grad_norm: 1.0  tps: {t:,}  mfu: 1%\n"
+    for wire, shift in (("torchtitan", 0.0), ("mxfp8", 0.05)):
+        log = tmp_path / f"{wire}.txt"
+        log.write_text("".join(lines.format(s=s, l=8 - s / 10 + shift, t=1000 + s)
+                               for s in range(1, 21)))  # fmt: skip
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "torchtitan_log.py"), str(log),
+                        "--wire", wire, "--seed", "0", "--ep", "2", "--json",
+                        str(tmp_path / f"{wire}.json")], check=True, env=_env())  # fmt: skip
+    rec = json.loads((tmp_path / "mxfp8.json").read_text())
+    assert rec["eval"]["step"] == list(range(1, 21)) and rec["tokens_per_s_per_gpu"] == 1013
+    assert abs(rec["final_bits_per_byte"] - (8 - 1.55 + 0.05)) < 1e-9
+    out = subprocess.run([sys.executable, str(PLOT), *map(str, tmp_path.glob("*.json")),
+                          "--baseline", "bf16/torchtitan", "--no-plot"],
+                         capture_output=True, text=True, check=True, env=_env())  # fmt: skip
+    assert "mxfp8/bf16/0" in out.stdout and "+0.78%" in out.stdout, out.stdout
