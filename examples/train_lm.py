@@ -391,7 +391,8 @@ def main(argv=None) -> None:
                 rate = len(pending) * step_tokens / (now - clock)
                 train_s, timed_tokens = train_s + now - clock, timed_tokens + rate * (now - clock)
             pending, clock = [], now
-            stats = f"loss {curve[-1]:.4f}  held-out {bpbs[-1]:.4f} bits/byte  {rate:,.0f} tok/s"
+            speed = "" if math.isnan(rate) else f"  {rate:,.0f} tok/s"  # (none after step 1)
+            stats = f"loss {curve[-1]:.4f}  held-out {bpbs[-1]:.4f} bits/byte{speed}"
             if bar is not None:
                 bar.update(step + 1 - bar.n)
                 bar.set_postfix_str(stats)
@@ -408,7 +409,9 @@ def main(argv=None) -> None:
     tokens_per_s = timed_tokens / train_s if train_s else float("nan")
     if rank == 0:
         print(f"static dispatch: {int(dropped[0])} of {routed} rows dropped "
-              f"(capacity factor {a.capacity_factor}); {tokens_per_s:,.0f} tokens/s")  # fmt: skip
+              f"(capacity factor {a.capacity_factor}); "
+              + ("tokens/s not timed (one step)" if math.isnan(tokens_per_s)
+                 else f"{tokens_per_s:,.0f} tokens/s"))  # fmt: skip
         if a.json:
             write_record(a.json, a, world, device, params, info, curve, eval_steps, bpbs,
                          final=dict(tokens_per_s=tokens_per_s, dropped_rows=int(dropped[0]),

@@ -17,6 +17,8 @@ Layers (one subpackage each):
                  fp8_rowwise_weights / Fp8Weights (its FP8 weight casts, made once)
 """
 
+import importlib.metadata
+
 from .exchange import (
     WIRE_PRESETS,
     CopyEngineTransport,
@@ -69,7 +71,13 @@ from .moe import (
     static_rows,
 )
 
+try:  # the installed distribution's version (a source tree on PYTHONPATH: "unknown")
+    __version__ = importlib.metadata.version("mxfp8_a2a")
+except importlib.metadata.PackageNotFoundError:
+    __version__ = "unknown"
+
 __all__ = [
+    "__version__",
     "EXCHANGES",
     "PRECISIONS",
     "STAT_NAMES",

@@ -171,12 +171,19 @@ def _as_param(layer, name: str, value, key: str):
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The module under DistributedDataParallel (whose keys have no "module." prefix)."""
+    """The module under DistributedDataParallel and torch.compile's wrapper (whose keys have
+    no "module." / "_orig_mod." prefix)."""
     from torch.nn.parallel import DistributedDataParallel
 
-    while isinstance(model, DistributedDataParallel):
-        model = model.module
-    return model
+    while True:
+        if isinstance(model, DistributedDataParallel):
+            model = model.module
+        elif isinstance(model, torch.nn.Module) and isinstance(
+            getattr(model, "_orig_mod", None), torch.nn.Module
+        ):  # torch.compile(module)'s OptimizedModule
+            model = model._orig_mod
+        else:
+            return model
 
 
 def _expert_params(net: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, str]]:
@@ -285,6 +292,7 @@ def full_state_dict(
         elif isinstance(value, DTensor):
             value = value.full_tensor()
         if mine:
+            key = key.replace("_orig_mod.", "")  # compiled submodules: the plain model's keys
             out[key] = value.detach().cpu() if isinstance(value, torch.Tensor) else value
     return out if mine else None
 

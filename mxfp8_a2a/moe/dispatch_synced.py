@@ -44,6 +44,14 @@ from .engine import Route, all_to_all, combine_rows, dispatch_rows
 from .plan import receive_plan, send_plan
 
 
+COMPILE_ERROR = (
+    "the host-synced dispatch (mxfp8_a2a.dispatch, ExpertParallelMoE without max_tokens) reads "
+    "the token counts on the host and cannot be traced by torch.compile(fullgraph=True): use the "
+    "static dispatch (mxfp8_a2a.dispatch_static, or ExpertParallelMoE(max_tokens=...)) in "
+    "fullgraph-compiled code, or compile with fullgraph=False (this call then runs eagerly)"
+)
+
+
 @dataclass
 class DispatchHandle:
     """What combine needs to undo a dispatch. Tensors are on x's device.
@@ -142,6 +150,8 @@ def dispatch_reporting(
     in the counts all-to-all (topk_ids may then be None). functional: every all-to-all
     (counts and rows) as torch's functional collective, which selective activation
     checkpointing policies save (torchtitan's does) instead of running it again."""
+    if torch.compiler.is_compiling():  # fullgraph=True gets this; else Dynamo runs it eagerly
+        raise RuntimeError(COMPILE_ERROR)
     rank, world = group_rank_and_size(group)
     error: Exception | None = None
     terms, counts = "", None

@@ -145,6 +145,12 @@ class ExpertParallelMoE(torch.nn.Module):
         ``mx.check_no_drops(layer.dispatch_stats, group)`` raises on every rank on drops.
         """
         super().__init__()
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "ExpertParallelMoE needs torch.distributed: call "
+                "torch.distributed.init_process_group() first (under torchrun, or in one process "
+                "with backend='gloo', world_size=1, rank=0 and an init_method)"
+            )
         group = checks.mesh_group(group)
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         capacity = checks.check_construction(
@@ -280,7 +286,8 @@ class ExpertParallelMoE(torch.nn.Module):
     def _input_error(self, x) -> str | None:
         hidden = self.router.shape[0]
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != hidden:
-            return f"x must be a [tokens, {hidden}] tensor, got {getattr(x, 'shape', type(x))}"
+            got = getattr(x, "shape", type(x))
+            return f"x must be a [..., {hidden}] tensor (hidden size last), got {got}"
         if not x.dtype.is_floating_point:
             return f"x must be a floating tensor, got {x.dtype}"
         if self.wires.uses_mxfp8 and x.dtype not in (torch.bfloat16, torch.float32):

@@ -1,0 +1,53 @@
+"""What a new user meets first: the clear errors, the version, checkpoints of compiled models
+(one process, gloo)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import mxfp8_a2a as mx
+
+
+def test_version():
+    assert isinstance(mx.__version__, str) and mx.__version__
+
+
+def test_layer_without_a_process_group_says_what_to_call():
+    code = textwrap.dedent("""
+        import mxfp8_a2a as mx
+        try:
+            mx.ExpertParallelMoE(64, 32, 4, 2)
+        except RuntimeError as e:
+            print(e)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert "init_process_group" in out.stdout, out.stdout + out.stderr
+
+
+def test_wrong_width_names_the_last_dimension(group_of_one):
+    layer = mx.ExpertParallelMoE(64, 32, 4, 2)
+    with pytest.raises(ValueError, match=r"x must be a \[\.\.\., 64\] tensor \(hidden size last\)"):
+        layer(torch.randn(2, 3, 48))
+
+
+def test_fullgraph_compile_of_the_synced_layer_says_use_the_static_one(group_of_one):
+    layer = mx.ExpertParallelMoE(64, 32, 4, 2)
+    x = torch.randn(8, 64)
+    with pytest.raises(Exception, match="static dispatch") as err:
+        torch.compile(layer, fullgraph=True)(x)
+    assert "host-synced dispatch" in str(err.value)
+    torch._dynamo.reset()  # fullgraph=False: the dispatch runs eagerly between graphs
+    torch.testing.assert_close(torch.compile(layer)(x), layer(x), rtol=1e-5, atol=1e-6)
+
+
+def test_full_state_dict_of_a_compiled_model_has_the_plain_keys(group_of_one):
+    net = torch.nn.Sequential(torch.nn.Linear(64, 64), mx.ExpertParallelMoE(64, 32, 4, 2))
+    plain = mx.full_state_dict(net)
+    assert mx.full_state_dict(torch.compile(net)).keys() == plain.keys()
+    net[1] = torch.compile(net[1])  # a compiled submodule
+    assert mx.full_state_dict(net).keys() == plain.keys()
