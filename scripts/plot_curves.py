@@ -30,6 +30,28 @@ def load_runs(paths: list[str]) -> list[dict]:
     return runs
 
 
+def comparable(runs: list[dict]) -> str | None:
+    """Why the runs cannot be compared (they differ in world size, model size, tokens per
+    step or corpus), or None."""
+    keys = {
+        "world size": lambda r: r["config"].get("world"),
+        "parameters": lambda r: r["config"].get("params", {}).get("total"),
+        "tokens per step": lambda r: (
+            None if "batch" not in r["config"]
+            else r["config"].get("world", 1) * r["config"]["batch"] * r["config"]["seq_len"]
+        ),
+        "corpus sha256": lambda r: r.get("corpus", {}).get("sha256"),
+        "expert-parallel degree": lambda r: r["config"].get("ep"),
+    }  # fmt: skip
+    for what, get in keys.items():
+        seen = {get(r) for r in runs}
+        if len(seen) > 1:
+            return f"the runs differ in {what}: " + ", ".join(
+                f"{r['label']} {get(r)}" for r in runs
+            )
+    return None
+
+
 def table(
     runs: list[dict], baseline: str = "bf16/bf16"
 ) -> list[tuple[str, float, float | None, str]]:
@@ -82,10 +104,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("runs", nargs="+", help="JSON files written by train_lm.py --json")
     p.add_argument("--out", default="curves.png", help="the PNG to write")
     p.add_argument("--no-plot", action="store_true", help="print the table only")
+    p.add_argument("--compare-anyway", action="store_true",
+                   help="compare runs that differ in world size, model size, tokens per step "
+                   "or corpus")  # fmt: skip
     p.add_argument("--baseline", default="bf16/bf16",
                    help="exchange/precision of the runs the gaps are taken to")  # fmt: skip
     a = p.parse_args(argv)
     runs = sorted(load_runs(a.runs), key=lambda r: r["label"])
+    if (problem := comparable(runs)) is not None and not a.compare_anyway:
+        sys.exit(f"{problem}; their gaps would not measure the wire (--compare-anyway to go on)")
     print(f"{'run (exchange/precision/seed)':40s} {'final bits/byte':>16s} {'vs base':>9s}  file")
     gaps: dict[str, list[float]] = {}
     for label, final, gap, path in table(runs, a.baseline):

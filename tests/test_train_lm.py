@@ -123,6 +123,9 @@ def test_plot_curves_table(runs):
     paths = [str(runs["dir"] / "bf16.json"), str(runs["dir"] / "mxfp8_2.json")]
     proc = subprocess.run([sys.executable, str(PLOT), *paths, "--no-plot"], capture_output=True,
                           text=True, timeout=60)  # fmt: skip
+    assert proc.returncode != 0 and "differ in world size" in proc.stderr, proc.stderr
+    proc = subprocess.run([sys.executable, str(PLOT), *paths, "--no-plot", "--compare-anyway"],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines()[1:]}
     bf16, mxfp8 = runs["bf16"][1]["final_bits_per_byte"], runs["mxfp8_2"][1]["final_bits_per_byte"]
@@ -135,8 +138,9 @@ def test_plot_curves_png(runs):
     pytest.importorskip("matplotlib")
     out = runs["dir"] / "curves.png"
     paths = [str(runs["dir"] / "bf16.json"), str(runs["dir"] / "mxfp8_2.json")]
-    proc = subprocess.run([sys.executable, str(PLOT), *paths, "--out", str(out)],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    args = [*paths, "--out", str(out), "--compare-anyway"]
+    proc = subprocess.run([sys.executable, str(PLOT), *args], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
