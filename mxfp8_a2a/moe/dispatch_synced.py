@@ -43,7 +43,6 @@ from .arguments import argument_error, check_owner, mark_output, mxfp8_rows_erro
 from .engine import Route, all_to_all, combine_rows, dispatch_rows
 from .plan import receive_plan, send_plan
 
-
 COMPILE_ERROR = (
     "the host-synced dispatch (mxfp8_a2a.dispatch, ExpertParallelMoE without max_tokens) reads "
     "the token counts on the host and cannot be traced by torch.compile(fullgraph=True): use the "
