@@ -14,8 +14,13 @@ the dtype and device torchtitan passes in) and moves the rows with :func:`mxfp8_
 and :func:`mxfp8_a2a.combine`: rows encoded for the wire straight from the tokens, one packed
 exchange each way, decoded straight into the experts' layout, a wire per leg
 (``wire``: a preset of :data:`mxfp8_a2a.WIRE_PRESETS`). The counts exchange and its one host
-sync stay (as in torchtitan's own dispatcher), so torchtitan's CUDA-graph check still asks for
-``--training.disable_cuda_graphs`` when EP > 1.
+sync stay (as in torchtitan's own dispatcher). :func:`mxfp8_dispatch_static` gives
+:class:`MXFP8StaticTokenDispatcher` instead: no host sync, fixed shapes, traceable by
+torch.compile(fullgraph=True) (torchtitan's ``--compile.enable``). torchtitan's CUDA-graph check
+(``_validate_cuda_graphs``) accepts neither at EP > 1 (it knows only its MinimalAsyncEP and
+non-blocking HybridEP dispatchers): pass ``--training.disable_cuda_graphs``. All exchanges go
+through torch's functional all_to_all_single, which torchtitan's selective activation
+checkpointing saves: a recomputed block does not exchange again.
 
 Numerics against torchtitan's own dispatcher with ``wire="bf16"``: the experts receive the
 same rows in the same order, bit for bit. ``combine`` differs in rounding only: torchtitan
@@ -33,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from .exchange.wires import WIRE_PRESETS
+from .moe.dispatch_static import StaticHandle, capacity_for, combine_static, dispatch_static
 from .moe.dispatch_synced import DispatchHandle, combine, dispatch_reporting
 
 SUPPORTED = ("0.3.",)  # torchtitan releases this module is tested with (the extra pins it)
@@ -81,7 +87,7 @@ class MXFP8DispatchMetadata:
     """What :meth:`MXFP8TokenDispatcher.combine` needs: the dispatch's handle and the
     routing scores ``topk_scores_TK`` (T, K) that combine applies."""
 
-    handle: DispatchHandle
+    handle: DispatchHandle | StaticHandle
     topk_scores_TK: torch.Tensor  # noqa: N815
 
 
@@ -163,3 +169,88 @@ def mxfp8_dispatch(
     if (problem := _wire_error(wire)) is not None:
         raise ValueError(f"mxfp8_a2a.torchtitan.mxfp8_dispatch: {problem}")
     return derive(cfg, MXFP8TokenDispatcher.Config, wire=wire)
+
+
+class MXFP8StaticTokenDispatcher(MXFP8TokenDispatcher):
+    """:class:`MXFP8TokenDispatcher` on the static dispatch (:func:`mxfp8_a2a.dispatch_static`):
+    no host sync, so torch.compile(fullgraph=True) of the MoE blocks (torchtitan's
+    ``--compile.enable``) traces it. ``routed_input_RD`` then has a fixed row count,
+    static_rows(capacity, ep_size, local experts, 16) for T tokens, each local expert's block
+    padded with zero rows to a multiple of 16 (the counts returned include the padding, so
+    torchtitan's grouped GEMM offsets fall on the blocks; rows past the last offset are zero).
+
+    Capacity (rows each rank may send each rank): ``capacity_factor`` None (the default)
+    is dropless, T * min(top_k, local experts); a number f gives ceil(f * T * top_k /
+    ep_size), less memory, and rows past it are dropped, counted in ``last_stats``
+    (int64 [4] on the device, :data:`mxfp8_a2a.STAT_NAMES`, the last call's; no sync).
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(MXFP8TokenDispatcher.Config):
+        capacity_factor: float | None = None
+        """None: dropless; f > 0: ceil(f * tokens * top_k / ep_size) rows per rank pair."""
+
+    def __init__(self, config: Config):
+        if config.capacity_factor is not None:
+            capacity_for(1, 1, 1, config.capacity_factor)  # its check of the factor
+        super().__init__(config)
+        self.capacity_factor = config.capacity_factor
+        self.last_stats: torch.Tensor | None = None
+
+    def dispatch(
+        self,
+        x_TD: torch.Tensor,  # noqa: N803
+        topk_scores_TK: torch.Tensor,  # noqa: N803
+        topk_expert_ids_TK: torch.Tensor,  # noqa: N803
+        num_local_tokens_per_expert_E: torch.Tensor,  # noqa: N803
+    ):
+        if self.ep_mesh is None:  # EP = 1: no wire, torchtitan's local reorder
+            return LocalTokenDispatcher.dispatch(
+                self, x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E
+            )
+        world, tokens, k = self.ep_mesh.size(), x_TD.shape[0], topk_expert_ids_TK.shape[1]
+        if self.capacity_factor is None:
+            capacity = max(1, tokens * min(k, self.num_experts // world))
+        else:
+            capacity = max(1, capacity_for(tokens, k, world, self.capacity_factor))
+        routed, ends, handle = dispatch_static(
+            x_TD, topk_expert_ids_TK, self.num_experts, capacity, self.ep_mesh.get_group(),
+            exchange=self.wire, functional=True,  # (selective checkpointing saves them)
+        )  # fmt: skip
+        self.last_stats = handle.stats
+        counts = torch.diff(ends, prepend=ends.new_zeros(1))
+        counts = counts.to(num_local_tokens_per_expert_E.dtype)
+        return routed, counts, MXFP8DispatchMetadata(handle=handle, topk_scores_TK=topk_scores_TK)
+
+    def combine(
+        self,
+        routed_output_RD: torch.Tensor,  # noqa: N803
+        metadata,
+        x_TD: torch.Tensor,  # noqa: N803
+    ) -> torch.Tensor:
+        if not isinstance(metadata, MXFP8DispatchMetadata):  # EP = 1
+            return LocalTokenDispatcher.combine(self, routed_output_RD, metadata, x_TD)
+        out = combine_static(routed_output_RD, metadata.topk_scores_TK, metadata.handle)
+        return out.to(x_TD.dtype)
+
+
+@override(
+    target=AllToAllTokenDispatcher.Config,
+    exact=True,
+    description="mxfp8_a2a: MXFP8 wire on the static (sync-free, compilable) dispatch",
+)
+def mxfp8_dispatch_static(
+    cfg: AllToAllTokenDispatcher.Config,
+    *,
+    wire: str = DEFAULT_WIRE,
+    capacity_factor: float | None = None,
+) -> MXFP8StaticTokenDispatcher.Config:
+    """torchtitan override factory like :func:`mxfp8_dispatch`, on the static dispatch:
+    ``--override.imports 'mxfp8_a2a.torchtitan.mxfp8_dispatch_static={"wire": "mxfp8"}'``
+    (``capacity_factor``: see :class:`MXFP8StaticTokenDispatcher`; default dropless)."""
+    if (problem := _wire_error(wire)) is not None:
+        raise ValueError(f"mxfp8_a2a.torchtitan.mxfp8_dispatch_static: {problem}")
+    if capacity_factor is not None:
+        capacity_for(1, 1, 1, capacity_factor)
+    return derive(cfg, MXFP8StaticTokenDispatcher.Config, wire=wire,
+                  capacity_factor=capacity_factor)  # fmt: skip

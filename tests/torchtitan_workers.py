@@ -299,8 +299,9 @@ def count_all_to_alls(fn) -> tuple[object, int]:
     return out, sum(e.count for e in prof.key_averages() if e.key == "c10d::alltoall_base_")
 
 
-def collectives_under_checkpointing(rank, world, seed, wire, policy):
-    """torchtitan's debug MoE block (our dispatcher, or torchtitan's with wire None) wrapped
+def collectives_under_checkpointing(rank, world, seed, wire, policy, static=False):
+    """torchtitan's debug MoE block (our dispatcher, the static one if ``static``, or
+    torchtitan's with wire None) wrapped
     as torchtitan wraps blocks (policy "selective", "full" or None): all-to-alls in the
     forward and in the backward, and the results."""
     from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
@@ -308,7 +309,10 @@ def collectives_under_checkpointing(rank, world, seed, wire, policy):
     mesh = ep_mesh(world)
     cfg = debug_moe_config()
     if wire is not None:
-        cfg.routed_experts.token_dispatcher = mxfp8_dispatch(
+        from mxfp8_a2a.torchtitan import mxfp8_dispatch_static
+
+        factory = mxfp8_dispatch_static if static else mxfp8_dispatch
+        cfg.routed_experts.token_dispatcher = factory(
             cfg.routed_experts.token_dispatcher, wire=wire
         )
     block = local_moe(cfg, rank, world, seed, mesh)
@@ -352,3 +356,26 @@ def mistake_error(rank, world, case):
     except ValueError as e:
         return str(e)
     return None
+
+
+def static_against_synced(rank, world, seed, wire, compiled):
+    """The debug MoE block on our static dispatcher (dropless; compiled with fullgraph as
+    torchtitan compiles blocks, if ``compiled``) against the synced one, eager: the normwise
+    relative difference of out and each gradient."""
+    from mxfp8_a2a.torchtitan import mxfp8_dispatch_static
+
+    mesh = ep_mesh(world)
+    results = []
+    for factory in (mxfp8_dispatch, mxfp8_dispatch_static):
+        cfg = debug_moe_config()
+        cfg.routed_experts.token_dispatcher = factory(
+            cfg.routed_experts.token_dispatcher, wire=wire
+        )
+        block = local_moe(cfg, rank, world, seed, mesh)
+        if compiled and factory is mxfp8_dispatch_static:
+            block.compile(fullgraph=True)
+        gen = torch.Generator().manual_seed(seed * 10 + rank)
+        x = torch.randn(2, 16, 256, generator=gen).bfloat16()
+        results.append(run_moe(block, x, torch.randn(x.shape, generator=gen)))
+    synced, static = results
+    return {k: normwise(static[k], synced[k]) for k in synced}

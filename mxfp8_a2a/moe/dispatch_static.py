@@ -85,6 +85,7 @@ class StaticHandle:
     exchange: combine_static's default (forward, backward) wires.
     dispatch_id: which dispatch (arguments.mark_output; combine_static checks expert_y).
     push: the PushBuffer the rows travel through, None for NCCL/gloo.
+    functional: NCCL/gloo exchanges as torch's functional all_to_all_single (engine.Route).
     """
 
     rows_of: torch.Tensor
@@ -100,9 +101,10 @@ class StaticHandle:
     scaling_mode: str
     dispatch_id: int = 0
     push: PushBuffer | None = None
+    functional: bool = False
 
 
-def _exchange_counts(rows_of, sent, stats, num_experts, capacity, group, push):
+def _exchange_counts(rows_of, sent, stats, num_experts, capacity, group, push, functional):
     """The counts all-to-all: [W, 1 + max(INLINE, L)] whatever L is, column 0 num_experts
     (itself, not dispatch's agreement word: its digest does not trace under torch.compile).
     Returns rows_of without the rows to ranks whose num_experts differs, the counts
@@ -111,7 +113,10 @@ def _exchange_counts(rows_of, sent, stats, num_experts, capacity, group, push):
     world, local = sent.shape
     msg = F.pad(sent, (1, counts_columns(local) - 1 - local))
     msg[:, 0] = num_experts
-    recv = all_to_all(msg, None, None, group) if push is None else sp.push_counts_op(msg, push.key)
+    if push is None:
+        recv = all_to_all(msg, None, None, group, functional)
+    else:
+        recv = sp.push_counts_op(msg, push.key)
     agrees = recv[:, 0] == num_experts  # [source rank]
     if capacity:  # rows to a rank that differs are not sent (nor read back by combine)
         kept = rows_of.ge(0)
@@ -157,6 +162,7 @@ def dispatch_static(
     scaling_mode: str = "rceil",
     transport: str | PushBuffer = "nccl",
     validate: bool = False,
+    functional: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, StaticHandle]:
     """Send each token to the ranks of its top-k experts, with no host sync.
 
@@ -184,6 +190,9 @@ def dispatch_static(
             PushBuffer replaces the two wire buffers of the memory above.
         validate: check the configuration across the ranks on every call (also with
             MXFP8_A2A_VALIDATE=1), not only at a new one (see below).
+        functional: the counts and rows through torch's functional all_to_all_single (as
+            under torch.compile), which selective activation checkpointing policies can save
+            (torchtitan's does) so that a recomputed forward does not exchange again.
     Returns:
         expert_x: [static_rows(capacity, W, L, align), H] in x's dtype, expert-major (module
             docstring), padding rows zero; expert_offsets: int32 [L] end offsets of the
@@ -217,13 +226,13 @@ def dispatch_static(
     x = agree.agree_static(text, error, group, push, world, validate, x)
     rows_of, sent, stats = send_plan(topk_ids, num_experts, world, capacity)
     rows_of, recv, stats = _exchange_counts(rows_of, sent.to(x.device), stats, num_experts,
-                                            capacity, group, push)  # fmt: skip
+                                            capacity, group, push, functional)  # fmt: skip
     src_row, out_row, offs = receive_plan(recv, capacity, align)
-    route = Route(group, capacity, push=push)
+    route = Route(group, capacity, push=push, functional=functional)
     out = dispatch_rows(x, rows_of, src_row, out_row, route, wires, scaling_mode)
     handle = StaticHandle(
         rows_of, src_row, out_row, offs, stats, capacity, x.shape[1], x.dtype, group,
-        combine_default(exchange), scaling_mode, mark_output(out), push,
+        combine_default(exchange), scaling_mode, mark_output(out), push, functional,
     )  # fmt: skip
     return out, offs, handle
 
@@ -294,7 +303,7 @@ def combine_static(
     if (push := handle.push) is not None:
         check_fits(push, handle.capacity, h, handle.dtype, wires, push.count_columns,
                    expert_y.device)  # fmt: skip
-    route = Route(handle.group, handle.capacity, push=handle.push)
+    route = Route(handle.group, handle.capacity, push=handle.push, functional=handle.functional)
     return combine_rows(expert_y, topk_weights, handle.rows_of, handle.src_row, handle.out_row,
                         route, wires, handle.scaling_mode)  # fmt: skip
 
