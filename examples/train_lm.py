@@ -141,17 +141,8 @@ class Block(torch.nn.Module):
         h = self.norm2(x).to(self.moe_dtype).reshape(B * S, d)  # (autocast: fp32)
         with torch.autocast(x.device.type, enabled=False):  # the layer takes h's dtype
             y = self.moe(h)
-            aux = balance_loss(h, self.moe.router, self.moe.top_k)
+            aux = self.moe.balance_loss()
         return x + y.view(B, S, d), aux
-
-
-def balance_loss(h: torch.Tensor, router: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Switch-Transformer load balancing: E * sum_e (share of rows routed to e) * (mean
-    router probability of e); 1 when balanced. h [T, d], router [d, E] -> fp32 scalar."""
-    probs = torch.softmax((h @ router.to(h.dtype)).float(), dim=-1)
-    ids = probs.topk(top_k, dim=-1).indices.flatten()
-    share = torch.zeros_like(probs[0]).scatter_add_(0, ids, torch.ones_like(ids, dtype=probs.dtype))
-    return probs.shape[1] * (share / ids.numel() * probs.mean(0)).sum()
 
 
 class ByteLM(torch.nn.Module):

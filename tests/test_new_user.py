@@ -51,3 +51,39 @@ def test_full_state_dict_of_a_compiled_model_has_the_plain_keys(group_of_one):
     assert mx.full_state_dict(torch.compile(net)).keys() == plain.keys()
     net[1] = torch.compile(net[1])  # a compiled submodule
     assert mx.full_state_dict(net).keys() == plain.keys()
+
+
+def _switch_loss(h, router, top_k):
+    """The load-balancing loss recomputed from scratch (what examples/train_lm.py did)."""
+    probs = torch.softmax((h @ router.to(h.dtype)).float(), dim=-1)
+    ids = probs.topk(top_k, dim=-1).indices.flatten()
+    share = torch.zeros_like(probs[0]).scatter_add_(0, ids, torch.ones_like(ids, dtype=probs.dtype))
+    return probs.shape[1] * (share / ids.numel() * probs.mean(0)).sum()
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_balance_loss_after_a_forward(group_of_one, static):
+    kw = dict(max_tokens=32, capacity_factor=2.0) if static else {}
+    layer = mx.ExpertParallelMoE(64, 32, 8, 2, exchange="bf16", **kw)
+    with pytest.raises(RuntimeError, match="call the layer first"):
+        layer.balance_loss()
+    x = torch.randn(32, 64)
+    layer(x)
+    aux = layer.balance_loss()
+    torch.testing.assert_close(aux, _switch_loss(x, layer.router, 2), rtol=1e-6, atol=1e-6)
+    aux.backward()
+    assert layer.router.grad is not None and layer.router.grad.abs().sum() > 0
+    balanced = torch.full((8, 8), 1 / 8)  # uniform probabilities, every expert chosen twice
+    assert mx.moe.layer.balance_loss(balanced, torch.arange(16).view(8, 2) % 8).item() == 1.0
+
+
+def test_balance_loss_in_a_fullgraph_compiled_step(group_of_one):
+    layer = mx.ExpertParallelMoE(64, 32, 8, 2, max_tokens=32, capacity_factor=2.0)
+    x = torch.randn(32, 64)
+
+    def step(x):
+        return layer(x).square().mean() + 0.01 * layer.balance_loss()
+
+    eager = step(x)
+    compiled = torch.compile(step, fullgraph=True)(x)
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)

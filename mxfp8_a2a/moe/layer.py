@@ -30,9 +30,28 @@ from .experts import GroupedExperts, draw_expert
 
 def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax top-k routing: logits [T, E] -> (weights fp32 [T, k] summing to 1, ids [T, k])."""
+    weights, ids, _ = _route(logits, top_k)
+    return weights, ids
+
+
+def _route(logits: torch.Tensor, top_k: int):
     probs = torch.softmax(logits.float(), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
-    return weights / weights.sum(-1, keepdim=True), ids
+    return weights / weights.sum(-1, keepdim=True), ids, probs
+
+
+def balance_loss(probs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Switch-Transformer / GShard load balancing: E * sum_e f_e * P_e, where f_e is the
+    share of the routed (token, slot) rows that chose expert e and P_e the mean router
+    probability of e; 1 when routing is balanced. probs fp32 [T, E], ids [T, k] -> fp32
+    scalar, differentiable in probs (f is a count). No tokens: 0."""
+    flat = ids.reshape(-1)
+    share = torch.zeros_like(probs[0]).scatter_add_(
+        0, flat, torch.ones_like(flat, dtype=probs.dtype)
+    )
+    share = share / max(flat.numel(), 1)
+    mean = probs.sum(0) / max(probs.shape[0], 1)
+    return probs.shape[1] * (share * mean).sum()
 
 
 class ExpertParallelMoE(torch.nn.Module):
@@ -164,6 +183,7 @@ class ExpertParallelMoE(torch.nn.Module):
             raise ValueError(f"seed must be in [0, 2**31) or None, got {seed!r}")
         self.num_experts, self.top_k, self.group = num_experts, top_k, group
         self.static = capacity is not None
+        self._routing: tuple[torch.Tensor, torch.Tensor] | None = None  # the last forward's
         if transport == "auto":  # (the rule; a collective when it builds a PushBuffer)
             transport = "nccl"
             if capacity is not None:
@@ -247,6 +267,17 @@ class ExpertParallelMoE(torch.nn.Module):
         """This rank's experts' second weights [L, ffn, hidden] (``experts.w2``)."""
         return self.experts.w2
 
+    def balance_loss(self) -> torch.Tensor:
+        """The load-balancing loss of this rank's tokens in the last forward (fp32 scalar,
+        differentiable in ``router``; 1 when balanced): :func:`balance_loss` of the router's
+        probabilities [T, E] and the chosen ids [T, k]. Add ``coef * layer.balance_loss()``
+        to the loss before backward; computed only when called (a few small kernels)."""
+        if self._routing is None:
+            raise RuntimeError(
+                "balance_loss() reads the last forward's routing: call the layer first"
+            )
+        return balance_loss(*self._routing)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., hidden] (floating, on the parameters' device; bf16 or fp32 for an MXFP8 leg;
         at most max_tokens tokens) -> the same shape in x's dtype. An x that is not raises a
@@ -265,7 +296,8 @@ class ExpertParallelMoE(torch.nn.Module):
             dispatch_reporting(
                 x, None, self.num_experts, self.group, self.wires, self.transport, problem
             )
-        weights, ids = route(x @ self.router.to(x.dtype), self.top_k)
+        weights, ids, probs = _route(x @ self.router.to(x.dtype), self.top_k)
+        self._routing = (probs, ids)  # for balance_loss(): references, no work until read
         if self.static:
             return self._forward_static(x, weights, ids)
         ex, _, handle = dispatch(
