@@ -87,3 +87,38 @@ def test_balance_loss_in_a_fullgraph_compiled_step(group_of_one):
     eager = step(x)
     compiled = torch.compile(step, fullgraph=True)(x)
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
+
+
+def _swiglu_reference(x, weights, top_k, ffn):
+    """Each token through its top-k experts one by one, fp32: the layer's definition."""
+    probs = torch.softmax(x @ weights["router"], dim=-1)
+    w, ids = probs.topk(top_k, dim=-1)
+    w = w / w.sum(-1, keepdim=True)
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(top_k):
+            a = x[t] @ weights["w1"][ids[t, j]]
+            h = torch.nn.functional.silu(a[:ffn]) * a[ffn:]
+            out[t] += w[t, j] * (h @ weights["w2"][ids[t, j]])
+    return out
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_swiglu_experts_match_their_definition(group_of_one, static):
+    from mxfp8_a2a.moe.layer import init_moe_weights
+
+    kw = dict(max_tokens=16, capacity_factor=4.0) if static else {}
+    layer = mx.ExpertParallelMoE(64, 32, 4, 2, exchange="bf16", activation="swiglu", seed=3, **kw)
+    assert layer.w1.shape == (4, 64, 64) and layer.w2.shape == (4, 32, 64)
+    weights = init_moe_weights(64, 32, 4, 3, "swiglu")
+    assert torch.equal(layer.w1.detach(), weights["w1"])
+    x = torch.randn(16, 64)
+    torch.testing.assert_close(layer(x), _swiglu_reference(x, weights, 2, 32), rtol=1e-4, atol=1e-5)
+    fp8 = mx.ExpertParallelMoE(64, 32, 4, 2, exchange="bf16", activation="swiglu", seed=3,
+                               precision="fp8_rowwise", **kw)  # fmt: skip
+    y, ref = fp8(x), layer(x)
+    assert 10 * torch.log10(ref.square().sum() / (y - ref).square().sum()) > 20  # FP8 GEMMs
+    y.sum().backward()
+    assert fp8.w1.grad is not None and fp8.w1.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="activation must be one of"):
+        mx.ExpertParallelMoE(64, 32, 4, 2, activation="relu")

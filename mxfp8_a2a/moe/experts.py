@@ -29,17 +29,28 @@ def expert_generator(seed: int, index: int) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
 
 
-def draw_expert(hidden: int, ffn: int, seed: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Expert ``index``'s weights, fp32 on CPU: w1 [hidden, ffn], w2 [ffn, hidden]."""
+ACTIVATIONS = ("gelu", "swiglu")
+
+
+def draw_expert(
+    hidden: int, ffn: int, seed: int, index: int, activation: str = "gelu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert ``index``'s weights, fp32 on CPU: w1 [hidden, ffn] ("gelu") or [hidden, 2 * ffn]
+    ("swiglu": the gate's columns, then the up projection's, drawn after w2), w2 [ffn, hidden]."""
     g = expert_generator(seed, index)
     w1 = torch.randn(hidden, ffn, generator=g) * hidden**-0.5
-    return w1, torch.randn(ffn, hidden, generator=g) * ffn**-0.5
+    w2 = torch.randn(ffn, hidden, generator=g) * ffn**-0.5
+    if activation == "swiglu":
+        w1 = torch.cat([w1, torch.randn(hidden, ffn, generator=g) * hidden**-0.5], 1)
+    return w1, w2
 
 
 class GroupedExperts(torch.nn.Module):
-    """Experts ``first`` .. ``first + count - 1`` of a layer: gelu MLPs hidden -> ffn -> hidden
-    with weights w1 [count, hidden, ffn] and w2 [count, ffn, hidden] (Parameters on
-    ``device`` in ``dtype``, default fp32). ``precision`` picks the grouped GEMMs (see
+    """Experts ``first`` .. ``first + count - 1`` of a layer: MLPs hidden -> ffn -> hidden,
+    ``activation`` "gelu" (gelu(x @ w1) @ w2, w1 [count, hidden, ffn]) or "swiglu"
+    ((silu(x @ w1[:, :, :ffn]) * (x @ w1[:, :, ffn:])) @ w2, w1 [count, hidden, 2 * ffn]:
+    gate and up projection in one GEMM), w2 [count, ffn, hidden] (Parameters on ``device``
+    in ``dtype``, default fp32). ``precision`` picks the grouped GEMMs (see
     :func:`mxfp8_a2a.grouped_mm`). On device "meta" nothing is drawn."""
 
     def __init__(
@@ -50,19 +61,23 @@ class GroupedExperts(torch.nn.Module):
         count: int,
         *,
         precision: str = "bf16",
+        activation: str = "gelu",
         seed: int = 0,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ):
         super().__init__()
-        self.first, self.precision = first, precision
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+        self.first, self.precision, self.activation = first, precision, activation
         kw = {"device": device, "dtype": dtype or torch.float32}
-        self.w1 = torch.nn.Parameter(torch.empty(count, hidden, ffn, **kw))
+        width = 2 * ffn if activation == "swiglu" else ffn
+        self.w1 = torch.nn.Parameter(torch.empty(count, hidden, width, **kw))
         self.w2 = torch.nn.Parameter(torch.empty(count, ffn, hidden, **kw))
         if self.w1.device.type != "meta":
             with torch.no_grad():
                 for i in range(count):  # one expert's fp32 draw at a time on the host
-                    w1, w2 = draw_expert(hidden, ffn, seed, first + i)
+                    w1, w2 = draw_expert(hidden, ffn, seed, first + i, activation)
                     self.w1[i].copy_(w1)
                     self.w2[i].copy_(w2)
         self._fp8_weights: dict[tuple, tuple[tuple, Fp8Weights]] | None = None
@@ -70,19 +85,24 @@ class GroupedExperts(torch.nn.Module):
         self.grad_scale = 1.0
 
     def extra_repr(self) -> str:
-        count, hidden, ffn = self.w1.shape
-        return f"experts {self.first}..{self.first + count - 1}, {hidden} -> {ffn} -> {hidden}"
+        count, ffn, hidden = self.w2.shape
+        return (f"experts {self.first}..{self.first + count - 1}, {hidden} -> {ffn} -> {hidden}, "
+                f"{self.activation}")  # fmt: skip
 
     def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """x [N, hidden], rows grouped by local expert with end offsets ``offs`` (int32
-        [count] on x's device; rows past offs[-1] give zeros) -> gelu(x @ w1[e]) @ w2[e]
-        [N, hidden] in x's dtype."""
+        [count] on x's device; rows past offs[-1] give zeros) -> act(x @ w1[e]) @ w2[e]
+        [N, hidden] in x's dtype (act: gelu, or swiglu of the two halves)."""
         w1, w2 = self.w1, self.w2
         if self.grad_scale != 1.0:
             w1, w2 = _ScaleGrad.apply(w1, self.grad_scale), _ScaleGrad.apply(w2, self.grad_scale)
         w1, w2 = w1.to(x.dtype), w2.to(x.dtype)
         h = grouped_mm(x, w1, offs, precision=self.precision, fp8_weights=self._reused("w1", w1))
-        h = torch.nn.functional.gelu(h)
+        if self.activation == "swiglu":
+            gate, up = h.chunk(2, dim=-1)
+            h = torch.nn.functional.silu(gate) * up
+        else:
+            h = torch.nn.functional.gelu(h)
         return grouped_mm(h, w2, offs, precision=self.precision, fp8_weights=self._reused("w2", w2))
 
     @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""ExpertParallelMoE: a MoE layer on dispatch/combine (softmax top-k router, gelu expert MLPs).
+"""ExpertParallelMoE: a MoE layer on dispatch/combine (softmax top-k router, gelu or SwiGLU MLPs).
 
 A real layer, not only an example: the training script and the MoE benchmark build on it.
 Its experts (:class:`GroupedExperts`, this rank's share only) run as two grouped GEMMs
@@ -56,12 +56,13 @@ def balance_loss(probs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 class ExpertParallelMoE(torch.nn.Module):
     """A MoE layer with experts spread over the ranks of a group: a softmax top-k router,
-    dispatch to the experts' ranks, gelu expert MLPs as grouped GEMMs, combine.
+    dispatch to the experts' ranks, gelu or SwiGLU expert MLPs as grouped GEMMs, combine.
 
     Parameters: ``router`` [hidden, num_experts] (a Parameter; logits = x @ router, no bias),
     the same on every rank; ``experts`` (:class:`GroupedExperts`): this rank's
-    L = num_experts / world experts only, gelu MLPs hidden -> ffn -> hidden, w1 [L, hidden,
-    ffn] and w2 [L, ffn, hidden] (also reachable as ``layer.w1`` / ``layer.w2``).
+    L = num_experts / world experts only, gelu or SwiGLU MLPs hidden -> ffn -> hidden, w1 [L,
+    hidden, ffn] (SwiGLU: [L, hidden, 2 * ffn]) and w2 [L, ffn, hidden] (also ``layer.w1`` /
+    ``layer.w2``).
 
     Forward: x [..., hidden] -> the same shape (leading dimensions flattened into tokens).
     The constructor's documentation (``help(ExpertParallelMoE.__init__)``) lists every
@@ -80,6 +81,7 @@ class ExpertParallelMoE(torch.nn.Module):
         exchange: str | Wires = "mxfp8",
         transport: str | Transport | PushBuffer = "nccl",
         precision: str = "bf16",
+        activation: str = "gelu",
         seed: int | None = None,
         capacity_factor: float | None = None,
         capacity: int | None = None,
@@ -114,6 +116,9 @@ class ExpertParallelMoE(torch.nn.Module):
                 dtype), "fp8_rowwise" (e4m3 operands with rowwise fp32 scales on sm_90+
                 GPUs, the plain-torch reference on CPU) or "fp8_rowwise_gw_hp" (the same
                 with the weights' gradients unscaled in bf16; bf16 activations).
+            activation: the experts' MLP: "gelu" (w1 [L, hidden, ffn]) or "swiglu"
+                (silu(gate) * up, w1 [L, hidden, 2 * ffn] holding gate then up; what
+                current MoE models use).
             seed: expert e is drawn from a generator seeded by (seed, e), the router from
                 seed, so a given seed builds the same model at every group size. None (the
                 default): the seed is drawn from torch's default generator, so
@@ -207,7 +212,8 @@ class ExpertParallelMoE(torch.nn.Module):
         self.router = torch.nn.Parameter(router)
         local = num_experts // world
         self.experts = GroupedExperts(hidden, ffn, rank * local, local, precision=precision,
-                                      seed=seed, device=device, dtype=dtype)  # fmt: skip
+                                      activation=activation, seed=seed, device=device,
+                                      dtype=dtype)  # fmt: skip
         register_checkpoint_hooks(self)  # experts as DTensors [E, ...] in state_dict()
 
     @property
@@ -381,10 +387,13 @@ def draw_router(hidden: int, num_experts: int, seed: int) -> torch.Tensor:
     return torch.randn(hidden, num_experts, generator=g) * hidden**-0.5
 
 
-def init_moe_weights(hidden: int, ffn: int, num_experts: int, seed: int) -> dict[str, torch.Tensor]:
+def init_moe_weights(
+    hidden: int, ffn: int, num_experts: int, seed: int, activation: str = "gelu"
+) -> dict[str, torch.Tensor]:
     """All experts' weights as one rank of a group of one builds them, fp32 on CPU: router
-    [H, E], w1 [E, H, F], w2 [E, F, H] (the single-process definition tests compare to)."""
-    experts = [draw_expert(hidden, ffn, seed, e) for e in range(num_experts)]
+    [H, E], w1 [E, H, F] (swiglu: [E, H, 2F]), w2 [E, F, H] (the single-process definition
+    tests compare to)."""
+    experts = [draw_expert(hidden, ffn, seed, e, activation) for e in range(num_experts)]
     return {
         "router": draw_router(hidden, num_experts, seed),
         "w1": torch.stack([w1 for w1, _ in experts]),

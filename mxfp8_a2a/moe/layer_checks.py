@@ -128,6 +128,7 @@ def _transport_kind(transport) -> str:
 def _terms(layer, x) -> str:
     hidden, ffn = layer.router.shape[0], layer.experts.w1.shape[-1]
     terms = {"hidden": hidden, "ffn": ffn, "num_experts": layer.num_experts}
+    terms["activation"] = layer.experts.activation
     terms |= {"top_k": layer.top_k, "exchange": "/".join(layer.wires), "precision": layer.precision}
     terms |= {"capacity": layer.capacity, "max_tokens": layer.max_tokens, "align": layer.align}
     terms |= {"transport": _transport_kind(layer.transport)}
