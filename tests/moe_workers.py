@@ -10,7 +10,8 @@ from helpers import sqnr_db
 from moe_reference import moe_reference
 
 import mxfp8_a2a as mx
-from mxfp8_a2a.moe.layer import ExpertParallelMoE, init_moe_weights, route
+from mxfp8_a2a.moe.layer import ExpertParallelMoE, init_moe_weights
+from mxfp8_a2a.moe.routing import route
 
 HIDDEN, FFN, TOKENS = 64, 32, 12
 

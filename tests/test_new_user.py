@@ -74,7 +74,7 @@ def test_balance_loss_after_a_forward(group_of_one, static):
     aux.backward()
     assert layer.router.grad is not None and layer.router.grad.abs().sum() > 0
     balanced = torch.full((8, 8), 1 / 8)  # uniform probabilities, every expert chosen twice
-    assert mx.moe.layer.balance_loss(balanced, torch.arange(16).view(8, 2) % 8).item() == 1.0
+    assert mx.moe.routing.balance_loss(balanced, torch.arange(16).view(8, 2) % 8).item() == 1.0
 
 
 def test_balance_loss_in_a_fullgraph_compiled_step(group_of_one):
@@ -122,3 +122,27 @@ def test_swiglu_experts_match_their_definition(group_of_one, static):
     assert fp8.w1.grad is not None and fp8.w1.grad.abs().sum() > 0
     with pytest.raises(ValueError, match="activation must be one of"):
         mx.ExpertParallelMoE(64, 32, 4, 2, activation="relu")
+
+
+def test_balance_bias_steers_the_choice_not_the_weights(group_of_one):
+    layer = mx.ExpertParallelMoE(64, 32, 4, 2, exchange="bf16", balance_bias=True)
+    assert "expert_bias" in layer.state_dict() and "expert_load" not in layer.state_dict()
+    x = torch.randn(32, 64)
+    plain = mx.moe.routing.route(x @ layer.router.detach(), 2)
+    with torch.no_grad():
+        layer.expert_bias.copy_(torch.tensor([-10.0, -10.0, 0.0, 0.0]))  # never experts 0, 1
+    weights, ids, _ = mx.moe.routing._route(x @ layer.router.detach(), 2, layer.expert_bias)
+    assert set(ids.flatten().tolist()) == {2, 3}
+    probs = torch.softmax(x @ layer.router.detach(), -1)[:, 2:]
+    torch.testing.assert_close(weights.sort(-1).values, (probs / probs.sum(-1, keepdim=True))
+                               .sort(-1).values)  # fmt: skip
+    layer.expert_bias.zero_()
+    layer(x)  # counts the rows per expert
+    torch.testing.assert_close(layer.expert_load, torch.bincount(plain[1].flatten(), minlength=4)
+                               .float())  # fmt: skip
+    load = layer.expert_load.clone()
+    layer.update_balance_bias(0.01)
+    assert torch.equal(layer.expert_bias, 0.01 * torch.sign(load.mean() - load))
+    assert layer.expert_load.sum() == 0
+    with pytest.raises(RuntimeError, match="balance_bias=True"):
+        mx.ExpertParallelMoE(64, 32, 4, 2).update_balance_bias()

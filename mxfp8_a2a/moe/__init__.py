@@ -30,8 +30,9 @@ from .dispatch_static import (
 )
 from .dispatch_synced import DispatchHandle, combine, dispatch
 from .experts import GroupedExperts
-from .layer import ExpertParallelMoE, route
+from .layer import ExpertParallelMoE
 from .parallel import prepare_ddp, shard_experts
+from .routing import route
 
 __all__ = [
     "EXCHANGES",

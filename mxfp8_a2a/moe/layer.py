@@ -26,32 +26,7 @@ from .checkpoint import register_checkpoint_hooks
 from .dispatch_static import STAT_NAMES, combine_static, dispatch_static
 from .dispatch_synced import combine, dispatch, dispatch_reporting
 from .experts import GroupedExperts, draw_expert
-
-
-def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax top-k routing: logits [T, E] -> (weights fp32 [T, k] summing to 1, ids [T, k])."""
-    weights, ids, _ = _route(logits, top_k)
-    return weights, ids
-
-
-def _route(logits: torch.Tensor, top_k: int):
-    probs = torch.softmax(logits.float(), dim=-1)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    return weights / weights.sum(-1, keepdim=True), ids, probs
-
-
-def balance_loss(probs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Switch-Transformer / GShard load balancing: E * sum_e f_e * P_e, where f_e is the
-    share of the routed (token, slot) rows that chose expert e and P_e the mean router
-    probability of e; 1 when routing is balanced. probs fp32 [T, E], ids [T, k] -> fp32
-    scalar, differentiable in probs (f is a count). No tokens: 0."""
-    flat = ids.reshape(-1)
-    share = torch.zeros_like(probs[0]).scatter_add_(
-        0, flat, torch.ones_like(flat, dtype=probs.dtype)
-    )
-    share = share / max(flat.numel(), 1)
-    mean = probs.sum(0) / max(probs.shape[0], 1)
-    return probs.shape[1] * (share * mean).sum()
+from .routing import _route, balance_loss, update_bias
 
 
 class ExpertParallelMoE(torch.nn.Module):
@@ -82,6 +57,7 @@ class ExpertParallelMoE(torch.nn.Module):
         transport: str | Transport | PushBuffer = "nccl",
         precision: str = "bf16",
         activation: str = "gelu",
+        balance_bias: bool = False,
         seed: int | None = None,
         capacity_factor: float | None = None,
         capacity: int | None = None,
@@ -119,6 +95,11 @@ class ExpertParallelMoE(torch.nn.Module):
             activation: the experts' MLP: "gelu" (w1 [L, hidden, ffn]) or "swiglu"
                 (silu(gate) * up, w1 [L, hidden, 2 * ffn] holding gate then up; what
                 current MoE models use).
+            balance_bias: DeepSeek-V3's balancing without an auxiliary loss: a buffer
+                ``expert_bias`` fp32 [num_experts] (in the state dict) is added to the router
+                probabilities to choose the experts (the weights stay the probabilities);
+                ``expert_load`` counts the rows routed to each expert; call
+                :meth:`update_balance_bias` after each optimizer step.
             seed: expert e is drawn from a generator seeded by (seed, e), the router from
                 seed, so a given seed builds the same model at every group size. None (the
                 default): the seed is drawn from torch's default generator, so
@@ -205,6 +186,12 @@ class ExpertParallelMoE(torch.nn.Module):
         self.max_tokens, self.seed, self._checked = max_tokens, seed, False
         self.register_buffer("dispatch_stats", torch.zeros(len(STAT_NAMES), dtype=torch.int64,
                              device=device), persistent=False)  # fmt: skip
+        if balance_bias:
+            zeros = lambda: torch.zeros(num_experts, device=device)  # noqa: E731
+            self.register_buffer("expert_bias", zeros())
+            self.register_buffer("expert_load", zeros(), persistent=False)
+        else:
+            self.expert_bias = self.expert_load = None
         self._exchange, self.wires, self.transport = exchange, wires, transport
         router = torch.empty(hidden, num_experts, device=device, dtype=dtype or torch.float32)
         if router.device.type != "meta":
@@ -273,6 +260,14 @@ class ExpertParallelMoE(torch.nn.Module):
         """This rank's experts' second weights [L, ffn, hidden] (``experts.w2``)."""
         return self.experts.w2
 
+    def update_balance_bias(self, rate: float = 1e-3) -> None:
+        """With ``balance_bias=True``: move ``expert_bias`` one step toward balance from the
+        rows counted since the last call, summed over the layer's group (one all_reduce, no
+        host sync; every rank must call it), and restart the count."""
+        if self.expert_bias is None:
+            raise RuntimeError("update_balance_bias() needs ExpertParallelMoE(balance_bias=True)")
+        update_bias(self.expert_bias, self.expert_load, rate, self.group)
+
     def balance_loss(self) -> torch.Tensor:
         """The load-balancing loss of this rank's tokens in the last forward (fp32 scalar,
         differentiable in ``router``; 1 when balanced): :func:`balance_loss` of the router's
@@ -302,8 +297,11 @@ class ExpertParallelMoE(torch.nn.Module):
             dispatch_reporting(
                 x, None, self.num_experts, self.group, self.wires, self.transport, problem
             )
-        weights, ids, probs = _route(x @ self.router.to(x.dtype), self.top_k)
+        weights, ids, probs = _route(x @ self.router.to(x.dtype), self.top_k, self.expert_bias)
         self._routing = (probs, ids)  # for balance_loss(): references, no work until read
+        if self.expert_load is not None and torch.is_grad_enabled():  # (training steps)
+            with torch.no_grad():
+                self.expert_load.add_(torch.bincount(ids.flatten(), minlength=self.num_experts))
         if self.static:
             return self._forward_static(x, weights, ids)
         ex, _, handle = dispatch(
