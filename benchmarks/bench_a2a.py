@@ -34,7 +34,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from common import Progress, Timer, parse_shape, sqnr_db, versions, write_json
+from common import Help, Progress, Timer, parse_shape, sqnr_db, versions, write_json
 from tabulate import tabulate
 
 import mxfp8_a2a as mx
@@ -194,9 +194,7 @@ HEADERS = [
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=Help)
     p.add_argument("--shape", action="append", help="TOKENSxDIM per rank (repeatable)")
     p.add_argument("--splits", choices=["equal", "skewed", "hot"], default="equal")
     p.add_argument("--iters", type=int, default=20, help="timed iterations (median; default 20)")

@@ -11,7 +11,7 @@ import argparse
 import sys
 
 import torch
-from common import parse_shape, report, time_ops, warm_gpu
+from common import Help, parse_shape, report, time_ops, warm_gpu
 
 import mxfp8_a2a as mx
 
@@ -41,7 +41,7 @@ def bench_shape(m: int, k: int) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=Help)
     p.add_argument(
         "--shape", action="append", help=f"MxK (repeatable); default: {' '.join(DEFAULT_SHAPES)}"
     )

@@ -26,7 +26,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from common import parse_shape, versions, write_json
+from common import Help, parse_shape, versions, write_json
 from tabulate import tabulate
 
 import mxfp8_a2a as mx
@@ -106,7 +106,7 @@ def python_profile(text: str, world: int, rank: int, device) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=Help)
     p.add_argument("--shape", action="append", help="TOKENSxDIM per rank (repeatable)")
     p.add_argument("--calls", type=int, default=50)
     p.add_argument("--repeats", type=int, default=7)

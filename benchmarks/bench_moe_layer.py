@@ -47,7 +47,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from common import median, sqnr_db, versions, warm_gpu, write_json
+from common import Help, median, sqnr_db, versions, warm_gpu, write_json
 from tabulate import tabulate
 
 from mxfp8_a2a._torchrun import init_from_torchrun
@@ -328,9 +328,7 @@ def table(results: list[dict]) -> list[list]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=Help)
     p.add_argument("--shape", action="append", help="TOKENSxHIDDENxTOPKxEXPERTSxFFN per rank")
     p.add_argument("--variant", action="append", choices=tuple(VARIANTS), help="repeatable")
     p.add_argument("--iters", type=int, help="timed iterations (default 20 GPU, 3 CPU)")

@@ -69,7 +69,7 @@ import sys  # noqa: E402
 import weakref  # noqa: E402
 
 import torch.distributed as dist  # noqa: E402
-from common import versions, write_json  # noqa: E402
+from common import Help, versions, write_json  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
@@ -297,9 +297,7 @@ def join_group() -> torch.device:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=Help)
     # fmt: off
     p.add_argument("--tokens", type=int, default=4096, help="per rank")
     p.add_argument("--hidden", type=int, help="default 2048 on CUDA, 256 on CPU")

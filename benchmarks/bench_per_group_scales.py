@@ -25,7 +25,7 @@ import argparse
 import sys
 
 import torch
-from common import do_bench_ms, versions, warm_gpu, write_json
+from common import Help, do_bench_ms, versions, warm_gpu, write_json
 from tabulate import tabulate
 
 from mxfp8_a2a import per_group_colwise_scales, per_group_rowwise_scales
@@ -72,9 +72,7 @@ def same(a, b) -> bool:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=Help)
     p.add_argument("--json")
     p.add_argument("--check", action="store_true", help="compare bits with the reference")
     p.add_argument("--groups", type=int, nargs="+", default=[1, 16, 64])

@@ -23,7 +23,7 @@ import argparse
 import sys
 
 import torch
-from common import do_bench_ms, report, warm_gpu
+from common import Help, do_bench_ms, report, warm_gpu
 
 import mxfp8_a2a as mx
 from mxfp8_a2a.exchange.push import PushBuffer
@@ -106,7 +106,7 @@ def bench(name, t, h, k, experts, w, factor):
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=Help)
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--factor", type=float, default=1.25, help="capacity factor")
     p.add_argument("--json", help="write the results to this JSON file")

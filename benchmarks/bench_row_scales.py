@@ -19,7 +19,7 @@ import statistics
 import sys
 
 import torch
-from common import do_bench_ms, parse_shape, report, warm_gpu
+from common import Help, do_bench_ms, parse_shape, report, warm_gpu
 
 from mxfp8_a2a import _config, per_group_rowwise_scales
 from mxfp8_a2a.grouped.reference import per_group_rowwise_reference
@@ -71,7 +71,7 @@ def bench_shape(text: str, settings: list[tuple[int, int]], rounds: int) -> list
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=Help)
     p.add_argument(
         "--shape", action="append", help=f"RxC (repeatable); default: {' '.join(DEFAULT_SHAPES)}"
     )

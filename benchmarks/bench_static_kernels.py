@@ -15,7 +15,7 @@ import argparse
 import statistics
 
 import torch
-from common import versions, warm_gpu, write_json
+from common import Help, versions, warm_gpu, write_json
 from tabulate import tabulate
 
 from mxfp8_a2a import _config
@@ -103,9 +103,7 @@ def bench(text: str, reps: int, iters: int, tbs: float) -> list[dict]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=Help)
     p.add_argument("--shape", action="append", help="TOKENSxHIDDENxTOPKxEXPERTS")
     p.add_argument("--tile", action="append", type=int, help="STATIC_ROWS_TILE values")
     p.add_argument("--reps", type=int, default=10, help="calls per graph")

@@ -21,7 +21,7 @@ import argparse
 import sys
 
 import torch
-from common import do_bench_ms, kernel_us, report, warm_gpu
+from common import Help, do_bench_ms, kernel_us, report, warm_gpu
 
 from mxfp8_a2a import _config
 from mxfp8_a2a.grouped.weight_scales import weight_scales, weight_scales_apart
@@ -97,7 +97,7 @@ def bench_shape(text: str, settings: list[dict[str, int]], rounds: int) -> list[
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=Help)
     p.add_argument(
         "--shape", action="append", help=f"ExKxN (repeatable); default: {' '.join(DEFAULT_SHAPES)}"
     )

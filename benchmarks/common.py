@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import statistics
@@ -13,6 +14,10 @@ import torch
 import torch.distributed as dist
 import triton
 from tabulate import tabulate
+
+
+class Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """--help keeps the docstring's lines and shows each option's default."""
 
 
 def versions() -> dict:

@@ -62,6 +62,10 @@ SKIP_DIRS = ("site-packages", "dist-packages", "__pycache__")
 EVAL_SEED = 0x5EED  # the held-out windows: the same in every run, whatever --seed
 
 
+class Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """--help keeps the docstring's lines and shows each option's default."""
+
+
 def corpus_roots() -> dict[str, str]:
     """{name: directory}: the standard library's and the installed torch package's sources."""
     return {"stdlib": sysconfig.get_paths()["stdlib"], "torch": os.path.dirname(torch.__file__)}
@@ -267,7 +271,7 @@ def held_out_bpb(net, evals: torch.Tensor, weights: torch.Tensor, a, device, aut
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+                                formatter_class=Help)  # fmt: skip
     p.add_argument("--size", choices=tuple(SIZES), default="toy")
     for field, value in SIZES["toy"].items():
         p.add_argument(f"--{field.replace('_', '-')}", type=type(value), help="(size's value)")

@@ -47,6 +47,10 @@ import mxfp8_a2a as mx
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+class Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """--help keeps the docstring's lines and shows each option's default."""
+
+
 def init_process_group() -> torch.device:
     """Join the torchrun group: NCCL with GPU LOCAL_RANK where CUDA is present, else gloo."""
     if torch.cuda.is_available():
@@ -163,9 +167,7 @@ def reload_checkpoint(args, model, net, mesh, device, x_eval, y_eval, world) -> 
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=Help)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--exchange", choices=mx.EXCHANGES, default="mxfp8", help="legs' wires")
     p.add_argument(
@@ -236,7 +238,7 @@ def main() -> None:
     if rank == 0:
         own = f"exchange={args.exchange}, precision={args.precision}, {args.dtype} activations"
         print(f"eval loss ({own}): {evals['own']:.6f}")
-        plain = f"plain {args.dtype} exchange, unscaled {args.dtype} experts"
+        plain = f'exchange="bf16" (rows unquantized, in {args.dtype}), precision="bf16"'
         print(f"eval loss ({plain}): {evals['bf16']:.6f}")
         if args.json:
             with open(args.json, "w") as f:
