@@ -52,7 +52,8 @@ from tabulate import tabulate
 
 from mxfp8_a2a._torchrun import init_from_torchrun
 from mxfp8_a2a.moe import capacity_for, combine, combine_static, dispatch, dispatch_static
-from mxfp8_a2a.moe.layer import ExpertParallelMoE, route
+from mxfp8_a2a.moe.layer import ExpertParallelMoE
+from mxfp8_a2a.moe.routing import route
 
 GPU_SHAPES = ["4096x7168x8x32x2048", "8192x2048x8x16x768"]
 CPU_SHAPES = ["64x128x2x4x64"]

@@ -3,7 +3,7 @@
 import torch
 
 from mxfp8_a2a.grouped import grouped_mm_reference
-from mxfp8_a2a.moe.layer import route
+from mxfp8_a2a.moe.routing import route
 
 
 def moe_reference(
