@@ -146,3 +146,23 @@ def test_balance_bias_steers_the_choice_not_the_weights(group_of_one):
     assert layer.expert_load.sum() == 0
     with pytest.raises(RuntimeError, match="balance_bias=True"):
         mx.ExpertParallelMoE(64, 32, 4, 2).update_balance_bias()
+
+
+def test_node_limited_routing(group_of_one):
+    from mxfp8_a2a.moe.routing import _route
+
+    logits = torch.randn(64, 16)
+    _, free, _ = _route(logits, 4)
+    _, same, _ = _route(logits, 4, groups=(4, 4))  # every group allowed: plain routing
+    assert torch.equal(free.sort(-1).values, same.sort(-1).values)
+    for m in (1, 2):
+        w, ids, probs = _route(logits, 4, groups=(4, m))
+        assert ((ids // 4).sort(-1).values.diff(dim=-1) != 0).sum(-1).le(m - 1).all()  # <= m groups
+        torch.testing.assert_close(w.sum(-1), torch.ones(64))
+    layer = mx.ExpertParallelMoE(64, 32, 16, 4, exchange="bf16", route_groups=(4, 1))
+    layer(torch.randn(8, 64))
+    assert (layer._routing[1] // 4).eq(layer._routing[1][:, :1] // 4).all()  # one group each
+    with pytest.raises(ValueError, match="groups dividing num_experts"):
+        mx.ExpertParallelMoE(64, 32, 16, 4, route_groups=(3, 1))
+    with pytest.raises(ValueError, match="must hold top_k=4"):
+        mx.ExpertParallelMoE(64, 32, 16, 4, route_groups=(8, 1))

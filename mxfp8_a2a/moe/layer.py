@@ -26,7 +26,7 @@ from .checkpoint import register_checkpoint_hooks
 from .dispatch_static import STAT_NAMES, combine_static, dispatch_static
 from .dispatch_synced import combine, dispatch, dispatch_reporting
 from .experts import GroupedExperts, draw_expert
-from .routing import _route, balance_loss, update_bias
+from .routing import _route, balance_loss, groups_error, update_bias
 
 
 class ExpertParallelMoE(torch.nn.Module):
@@ -58,6 +58,7 @@ class ExpertParallelMoE(torch.nn.Module):
         precision: str = "bf16",
         activation: str = "gelu",
         balance_bias: bool = False,
+        route_groups: tuple[int, int] | None = None,
         seed: int | None = None,
         capacity_factor: float | None = None,
         capacity: int | None = None,
@@ -100,6 +101,9 @@ class ExpertParallelMoE(torch.nn.Module):
                 probabilities to choose the experts (the weights stay the probabilities);
                 ``expert_load`` counts the rows routed to each expert; call
                 :meth:`update_balance_bias` after each optimizer step.
+            route_groups: (G, M): node-limited routing; the experts form G contiguous
+                groups (G = the nodes: experts sit on the ranks in order) and each token
+                picks its experts within its M best groups (DeepSeek-V3); None: any.
             seed: expert e is drawn from a generator seeded by (seed, e), the router from
                 seed, so a given seed builds the same model at every group size. None (the
                 default): the seed is drawn from torch's default generator, so
@@ -186,6 +190,9 @@ class ExpertParallelMoE(torch.nn.Module):
         self.max_tokens, self.seed, self._checked = max_tokens, seed, False
         self.register_buffer("dispatch_stats", torch.zeros(len(STAT_NAMES), dtype=torch.int64,
                              device=device), persistent=False)  # fmt: skip
+        if (problem := groups_error(route_groups, num_experts, top_k)) is not None:
+            raise ValueError(problem)
+        self.route_groups = route_groups
         if balance_bias:
             zeros = lambda: torch.zeros(num_experts, device=device)  # noqa: E731
             self.register_buffer("expert_bias", zeros())
@@ -297,7 +304,8 @@ class ExpertParallelMoE(torch.nn.Module):
             dispatch_reporting(
                 x, None, self.num_experts, self.group, self.wires, self.transport, problem
             )
-        weights, ids, probs = _route(x @ self.router.to(x.dtype), self.top_k, self.expert_bias)
+        logits = x @ self.router.to(x.dtype)
+        weights, ids, probs = _route(logits, self.top_k, self.expert_bias, self.route_groups)
         self._routing = (probs, ids)  # for balance_loss(): references, no work until read
         if self.expert_load is not None and torch.is_grad_enabled():  # (training steps)
             with torch.no_grad():

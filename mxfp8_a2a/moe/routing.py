@@ -13,16 +13,39 @@ def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]
     return weights, ids
 
 
-def _route(logits: torch.Tensor, top_k: int, bias: torch.Tensor | None = None):
-    """(weights, ids, probs); ``bias`` fp32 [E] shifts which experts are chosen, not the
-    weights (those are the chosen experts' probabilities, renormalized)."""
+def _route(logits: torch.Tensor, top_k: int, bias=None, groups=None):
+    """(weights, ids, probs). ``bias`` fp32 [E] shifts which experts are chosen, not the
+    weights (those are the chosen experts' probabilities, renormalized). ``groups`` (G, M):
+    the experts form G contiguous groups (the nodes, when experts are spread over the ranks
+    in order) and each token chooses within its M best groups, a group scored by the sum of
+    its top max(1, k // M) scores (DeepSeek-V3's node-limited routing)."""
     probs = torch.softmax(logits.float(), dim=-1)
-    if bias is None:
-        weights, ids = torch.topk(probs, top_k, dim=-1)
-    else:
-        ids = torch.topk(probs + bias, top_k, dim=-1).indices
-        weights = probs.gather(-1, ids)
+    scores = probs if bias is None else probs + bias
+    if groups is not None:
+        (g, m), (t, e) = groups, scores.shape
+        grouped = scores.view(t, g, e // g)
+        best = grouped.topk(min(max(1, top_k // m), e // g), dim=-1).values.sum(-1)
+        dropped = torch.ones(t, g, dtype=torch.bool, device=scores.device)
+        dropped.scatter_(1, best.topk(m, dim=-1).indices, False)
+        scores = grouped.masked_fill(dropped[..., None], float("-inf")).view(t, e)
+    ids = torch.topk(scores, top_k, dim=-1).indices
+    weights = probs.gather(-1, ids)
     return weights / weights.sum(-1, keepdim=True), ids, probs
+
+
+def groups_error(groups, num_experts: int, top_k: int) -> str | None:
+    """What is wrong with a layer's ``route_groups`` (None or (G, M))."""
+    if groups is None:
+        return None
+    ok = isinstance(groups, tuple) and len(groups) == 2 and all(type(v) is int for v in groups)
+    if not ok or not (groups[0] >= 1 and num_experts % groups[0] == 0):
+        return (f"route_groups must be (groups, limit) with groups dividing num_experts="
+                f"{num_experts}, got {groups!r}")  # fmt: skip
+    g, m = groups
+    if not 1 <= m <= g or top_k > m * (num_experts // g):
+        return (f"route_groups={groups!r}: the limit must be in [1, {g}] and its groups must "
+                f"hold top_k={top_k} experts ({num_experts // g} per group)")  # fmt: skip
+    return None
 
 
 def balance_loss(probs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
