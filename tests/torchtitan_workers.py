@@ -264,7 +264,7 @@ def debug_model_trains(rank, world, seed, wire, steps, ckpt):
     mine = {id(p) for m in moes for p in m.routed_experts.inner_experts.parameters()}
     opt = torch.optim.AdamW(net.parameters(), lr=3e-3)
     gen = torch.Generator().manual_seed(seed + rank)  # each rank its own batch
-    tokens = torch.randint(0, 2048, (2, 33), generator=gen)
+    tokens = torch.randint(0, 2048, (2, 17), generator=gen)
     for block in net.layers.values():
         block.attention.inner_attention = CausalSDPA()
     losses = []
