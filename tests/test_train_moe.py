@@ -47,7 +47,8 @@ def _final_loss(
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     assert lines[-1].startswith("final loss: "), proc.stdout[-2000:]
-    assert lines[-3].startswith("eval loss (") and lines[-2].startswith("eval loss (plain"), lines
+    reference = 'eval loss (exchange="bf16" (rows unquantized'
+    assert lines[-3].startswith("eval loss (") and lines[-2].startswith(reference), lines
     evals = {"own": float(lines[-3].split(": ")[-1]), "bf16": float(lines[-2].split(": ")[-1])}
     return float(lines[-1].removeprefix("final loss: ")), evals
 
