@@ -39,7 +39,8 @@ import torch
 
 from .exchange.wires import WIRE_PRESETS
 from .moe.dispatch_static import StaticHandle, capacity_for, combine_static, dispatch_static
-from .moe.dispatch_synced import DispatchHandle, combine, dispatch_reporting
+from .moe.dispatch_synced import DispatchHandle, dispatch_reporting
+from .moe.dispatch_synced import combine as combine_synced
 
 SUPPORTED = ("0.3.",)  # torchtitan releases this module is tested with (the extra pins it)
 
@@ -128,19 +129,22 @@ class MXFP8TokenDispatcher(AllToAllTokenDispatcher):
             return LocalTokenDispatcher.dispatch(
                 self, x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E
             )
+        routed, ends, handle = self._move(x_TD, topk_expert_ids_TK)
+        counts = torch.diff(ends, prepend=ends.new_zeros(1))  # int32 end offsets: no host copy
+        counts = counts.to(num_local_tokens_per_expert_E.dtype)
+        return routed, counts, MXFP8DispatchMetadata(handle=handle, topk_scores_TK=topk_scores_TK)
+
+    def _move(self, x_TD: torch.Tensor, topk_expert_ids_TK: torch.Tensor):  # noqa: N803
+        """(routed rows, int32 end offsets per local expert, handle): the host-synced path."""
         if torch.compiler.is_compiling():
             raise RuntimeError(COMPILE_ERROR)
-        group = self.ep_mesh.get_group()
         # functional collectives: torchtitan's selective checkpointing saves their outputs,
         # so a recomputed block does not exchange again
         routed, _, handle = dispatch_reporting(
-            x_TD, topk_expert_ids_TK, self.num_experts, group, self.wire, "nccl", None,
-            functional=True,
+            x_TD, topk_expert_ids_TK, self.num_experts, self.ep_mesh.get_group(), self.wire,
+            "nccl", None, functional=True,
         )  # fmt: skip
-        ends = handle.expert_offsets  # int32 end offsets on x's device: no host copy
-        counts = torch.diff(ends, prepend=ends.new_zeros(1))
-        counts = counts.to(num_local_tokens_per_expert_E.dtype)
-        return routed, counts, MXFP8DispatchMetadata(handle=handle, topk_scores_TK=topk_scores_TK)
+        return routed, handle.expert_offsets, handle
 
     def combine(
         self,
@@ -150,8 +154,10 @@ class MXFP8TokenDispatcher(AllToAllTokenDispatcher):
     ) -> torch.Tensor:
         if not isinstance(metadata, MXFP8DispatchMetadata):  # EP = 1
             return LocalTokenDispatcher.combine(self, routed_output_RD, metadata, x_TD)
-        out = combine(routed_output_RD, metadata.topk_scores_TK, metadata.handle)
+        out = self._combine_rows(routed_output_RD, metadata.topk_scores_TK, metadata.handle)
         return out.to(x_TD.dtype)
+
+    _combine_rows = staticmethod(combine_synced)
 
 
 @override(
@@ -197,17 +203,8 @@ class MXFP8StaticTokenDispatcher(MXFP8TokenDispatcher):
         self.capacity_factor = config.capacity_factor
         self.last_stats: torch.Tensor | None = None
 
-    def dispatch(
-        self,
-        x_TD: torch.Tensor,  # noqa: N803
-        topk_scores_TK: torch.Tensor,  # noqa: N803
-        topk_expert_ids_TK: torch.Tensor,  # noqa: N803
-        num_local_tokens_per_expert_E: torch.Tensor,  # noqa: N803
-    ):
-        if self.ep_mesh is None:  # EP = 1: no wire, torchtitan's local reorder
-            return LocalTokenDispatcher.dispatch(
-                self, x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E
-            )
+    def _move(self, x_TD: torch.Tensor, topk_expert_ids_TK: torch.Tensor):  # noqa: N803
+        """The static path: a capacity from the token count, no host sync."""
         world, tokens, k = self.ep_mesh.size(), x_TD.shape[0], topk_expert_ids_TK.shape[1]
         if self.capacity_factor is None:
             capacity = max(1, tokens * min(k, self.num_experts // world))
@@ -218,20 +215,9 @@ class MXFP8StaticTokenDispatcher(MXFP8TokenDispatcher):
             exchange=self.wire, functional=True,  # (selective checkpointing saves them)
         )  # fmt: skip
         self.last_stats = handle.stats
-        counts = torch.diff(ends, prepend=ends.new_zeros(1))
-        counts = counts.to(num_local_tokens_per_expert_E.dtype)
-        return routed, counts, MXFP8DispatchMetadata(handle=handle, topk_scores_TK=topk_scores_TK)
+        return routed, ends, handle
 
-    def combine(
-        self,
-        routed_output_RD: torch.Tensor,  # noqa: N803
-        metadata,
-        x_TD: torch.Tensor,  # noqa: N803
-    ) -> torch.Tensor:
-        if not isinstance(metadata, MXFP8DispatchMetadata):  # EP = 1
-            return LocalTokenDispatcher.combine(self, routed_output_RD, metadata, x_TD)
-        out = combine_static(routed_output_RD, metadata.topk_scores_TK, metadata.handle)
-        return out.to(x_TD.dtype)
+    _combine_rows = staticmethod(combine_static)
 
 
 @override(
