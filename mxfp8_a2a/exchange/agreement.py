@@ -43,6 +43,8 @@ FIXES = {
     "scaling_mode": f"{_SAME} scaling_mode",
     "transport": f"{_SAME} kind of transport",
     "transport setting": f"{_SAME} transport setting (e.g. CopyEngineTransport row_ranges)",
+    "topology": "pass the same NodeTopology (or none) on every rank",
+    "ranks_per_node": f"{_SAME} ranks_per_node (or mesh) to NodeTopology",
     "x.requires_grad": (
         "make x require grad on every rank or on none (the backward exchange waits for "
         "every rank, and a rank that recorded no graph never joins it)"

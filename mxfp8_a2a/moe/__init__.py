@@ -33,12 +33,14 @@ from .experts import GroupedExperts
 from .layer import ExpertParallelMoE
 from .parallel import prepare_ddp, shard_experts
 from .routing import route
+from .topology import NodeTopology
 
 __all__ = [
     "EXCHANGES",
     "DispatchHandle",
     "ExpertParallelMoE",
     "GroupedExperts",
+    "NodeTopology",
     "STAT_NAMES",
     "StaticHandle",
     "capacity_for",

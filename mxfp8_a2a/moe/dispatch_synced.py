@@ -40,8 +40,10 @@ from ..exchange.nccl import NCCL, resolve
 from ..exchange.transport import Transport
 from ..exchange.wires import Wires, check_leg_pair, combine_default, leg_pair
 from .arguments import argument_error, check_owner, mark_output, mxfp8_rows_error
-from .engine import Route, all_to_all, combine_rows, dispatch_rows
+from .engine import NodeStages, Route, SlotPlan, all_to_all, combine_rows, dispatch_rows
+from .node_plan import expert_order, forward_plan, remap, source_ids, source_plan
 from .plan import receive_plan, send_plan
+from .topology import NodeTopology
 
 COMPILE_ERROR = (
     "the host-synced dispatch (mxfp8_a2a.dispatch, ExpertParallelMoE without max_tokens) reads "
@@ -77,19 +79,23 @@ class DispatchHandle:
     transport: Transport = NCCL
     dispatch_id: int = 0
     functional: bool = False
+    nodes: NodeStages | None = None
 
     @property
     def route(self) -> Route:
         """How this dispatch's buffers travel (engine.py)."""
         transport = None if self.transport is NCCL else self.transport
         splits = (self.input_splits, self.output_splits)
-        return Route(self.group, None, splits, transport=transport, functional=self.functional)
+        return Route(self.group, None, splits, transport=transport, functional=self.functional,
+                     nodes=self.nodes)  # fmt: skip
 
 
-def _terms(x: torch.Tensor, num_experts: int, exchange, transport: Transport) -> str:
+def _terms(x: torch.Tensor, num_experts: int, exchange, transport: Transport, topology) -> str:
     """What the counts and the exchanges depend on (agreement.py's terms text)."""
     grad = torch.is_grad_enabled() and x.requires_grad
     terms = {"num_experts": num_experts, "x.shape[1]": x.shape[1], "x.dtype": x.dtype}
+    if _spans(topology):
+        terms["topology"] = topology.terms()
     wires = leg_pair(exchange, "dispatch") + combine_default(exchange)
     terms["exchange"] = "/".join(wires)  # dispatch's, then combine's forward/backward
     if "mxfp8" in wires:  # unquantized rows take no transport
@@ -105,6 +111,7 @@ def dispatch(
     *,
     exchange: str | tuple[str, str] | Wires = "mxfp8",
     transport: str | Transport = "nccl",
+    topology: NodeTopology | None = None,
 ) -> tuple[torch.Tensor, list[int], DispatchHandle]:
     """Send each token to the ranks of its top-k experts.
 
@@ -118,6 +125,10 @@ def dispatch(
             legs) or a (forward, backward) pair of "mxfp8" / "bf16".
         transport: of the MXFP8 exchanges, "nccl" (default) or a Transport object (see
             :func:`mxfp8_a2a.to_mxfp8_a2a_dequant`).
+        topology: a NodeTopology of ``group`` spanning nodes: the node-aware route (each
+            token sent once per node it reaches, forwarded within the node; combine sums
+            within the node first; moe/node_plan.py), with one more small all-to-all and
+            host sync. expert_x is the flat path's, bit for bit. None or one node: flat.
     Returns:
         expert_x: [N, H] rows received, grouped by local expert (expert 0 first), within an
             expert by source rank; tokens_per_expert: list of L ints, rows per local expert
@@ -129,7 +140,9 @@ def dispatch(
     Every rank must call it. One counts all-to-all and one host sync (two of each past
     DISPATCH_INLINE_COUNTS local experts), then the exchange.
     """
-    return dispatch_reporting(x, topk_ids, num_experts, group, exchange, transport, None)
+    return dispatch_reporting(
+        x, topk_ids, num_experts, group, exchange, transport, None, topology=topology
+    )
 
 
 def dispatch_reporting(
@@ -142,6 +155,7 @@ def dispatch_reporting(
     problem: str | None,
     *,
     functional: bool = False,
+    topology: NodeTopology | None = None,
 ) -> tuple[torch.Tensor, list[int], DispatchHandle]:
     """:func:`dispatch`, with ``problem`` (what the caller found wrong with this rank's
     arguments, or None) raised like dispatch's own checks: as the same ValueError on every
@@ -157,11 +171,12 @@ def dispatch_reporting(
     try:
         chosen = resolve(transport)
         problem = problem or argument_error(x, topk_ids, num_experts, world, exchange, group)
+        problem = problem or _topology_error(topology, group, chosen)
         if problem is not None:
             raise ValueError(problem)
         if "mxfp8" in leg_pair(exchange, "dispatch"):
             chosen.check(x.device, group)
-        terms = _terms(x, num_experts, exchange, chosen)
+        terms = _terms(x, num_experts, exchange, chosen, topology)
     except Exception as e:  # every rank learns of it through the counts all-to-all
         error = e
     # every rank sends every rank [its agreement word, INLINE counts]: the same size on
@@ -200,14 +215,64 @@ def dispatch_reporting(
     per_expert, n = sizes[2 * world :], sum(output_splits)
     recv_counts = recv_counts.to(device=x.device, dtype=torch.int64)
     src_row, out_row, offsets = receive_plan(recv_counts.contiguous(), None, 1, (n, n))
+    nodes = None
+    if _spans(topology):
+        slots = SlotPlan(rows_of, src_row, out_row, (input_splits, output_splits), group,
+                         functional)  # fmt: skip
+        nodes, rows_of, src_row, out_row = _node_stages(
+            topology, topk_ids, num_experts, counts, recv_counts, output_splits, slots, dev
+        )
     handle = DispatchHandle(
         rows_of, src_row, out_row, input_splits, output_splits, offsets, x.shape[1], group,
-        combine_default(exchange), chosen, functional=functional,
+        combine_default(exchange), chosen, functional=functional, nodes=nodes,
     )  # fmt: skip
     wires = leg_pair(exchange, "dispatch")
     out = dispatch_rows(x, rows_of, src_row, out_row, handle.route, wires, "rceil")
     handle.dispatch_id = mark_output(out)
     return out, per_expert, handle
+
+
+def _spans(topology: NodeTopology | None) -> bool:
+    return topology is not None and topology.spans_nodes
+
+
+def _topology_error(topology, group, transport) -> str | None:
+    if topology is None:
+        return None
+    if not isinstance(topology, NodeTopology):
+        return f"topology must be a NodeTopology or None, got {type(topology).__name__}"
+    if topology.group is not group:
+        return "topology must be built on dispatch's group (NodeTopology(group, ...))"
+    if topology.spans_nodes and transport is not NCCL:
+        return "the node-aware route (topology) moves rows with all_to_all_single: transport='nccl'"
+    return None
+
+
+def _node_stages(topology, topk_ids, num_experts, counts, recv_counts, output_splits, slots,
+                 dev):  # fmt: skip
+    """The node-aware route's plan (node_plan.py): one small all-to-all over the rail and a
+    host sync for the hops' splits, the ids' all-to-all, then the index maps on the device.
+    Returns (NodeStages, node_rows, stage-2 src_row, stage-2 out_row)."""
+    nodes, g, f = topology.nodes, topology.ranks_per_node, slots.functional
+    per_node_experts = num_experts // nodes
+    node_rows, per_node = source_plan(topk_ids, per_node_experts, nodes)
+    # to the forwarder on node m: [rows for m, rows for each rank of m]
+    msg = torch.cat([per_node[:, None], counts.sum(1).view(nodes, g)], 1)
+    got = all_to_all(msg.to(dev), None, None, topology.rail, f)
+    host = torch.cat([per_node.to(dev), got.reshape(-1)]).tolist()  # the host sync
+    rail_send, got = host[:nodes], [host[nodes + i * (g + 1) :][: g + 1] for i in range(nodes)]
+    rail_recv = [row[0] for row in got]
+    node_send = [sum(row[1 + i] for row in got) for i in range(g)]
+    node_recv = [sum(output_splits[n * g + i] for n in range(nodes)) for i in range(g)]
+    ids = source_ids(topk_ids, node_rows, sum(rail_send))
+    ids = all_to_all(ids.to(dev), rail_recv, rail_send, topology.rail, f).to(topk_ids.device)
+    sum_rows, fwd_idx = forward_plan(ids, topology.node, per_node_experts, g, sum(node_send))
+    n = sum(output_splits)
+    order = expert_order(recv_counts, nodes, g, n)
+    src_row, out_row = remap(slots.src_row, slots.out_row, order)
+    stages = NodeStages(topology.rail, topology.node_group, (rail_send, rail_recv),
+                        (node_send, node_recv), fwd_idx, sum_rows, slots)  # fmt: skip
+    return stages, node_rows, src_row, out_row
 
 
 def _raise_on_every_rank(status, error, terms, topk_ids, num_experts, group) -> None:

@@ -50,6 +50,7 @@ class Route:
     push: PushBuffer | None = None
     transport: Transport | None = None
     functional: bool = False
+    nodes: NodeStages | None = None
 
     def world(self) -> int:
         return dist.get_world_size(self.group) if dist.is_initialized() else 1
@@ -58,20 +59,58 @@ class Route:
         """Rows of dispatch's send buffer (and of combine's receive buffer)."""
         if self.capacity is not None:
             return self.world() * self.capacity
+        if self.nodes is not None:
+            return sum(self.nodes.rail_splits[0])
         return sum(self.splits[0])
 
     def carried(self, wire: str) -> str:
         """The wire of the buffers: a Transport takes the rows unquantized."""
         return "bf16" if self.transport is not None else wire
 
-    def move(self, buf: torch.Tensor, back: bool, wire: str, mode: str) -> torch.Tensor:
-        """buf in dispatch's send layout -> its receive layout (back: the reverse)."""
+    def move(self, buf: torch.Tensor, back: bool, wire: str, mode: str, rows) -> torch.Tensor:
+        """buf in dispatch's send layout -> its receive layout (back: the reverse). rows:
+        (hidden, dtype) of the rows the buffer encodes."""
+        if self.nodes is not None:
+            return self.nodes.move(buf, back, wire, mode, rows, self.functional)
         if self.splits is None:
             return all_to_all(buf, None, None, self.group, self.functional)
         send, recv = self.splits if not back else self.splits[::-1]
         if self.transport is not None and wire == "mxfp8":
             return self.transport.exchange(buf, recv, send, self.group, mode)
         return all_to_all(buf, recv, send, self.group, self.functional)
+
+
+@dataclass
+class NodeStages:
+    """The two hops of a node-aware dispatch (node_plan.py): over the rail (stage 1, between
+    nodes) and the node group (stage 2). *_splits: (rows sent, rows received) per rank of
+    that group in dispatch's direction; fwd_idx int64 [stage-2 send rows]: the stage-1
+    receive row each copies; sum_rows int64 [stage-1 receive rows, k]: the stage-2 send rows
+    of each, -1 for none (what the reverse direction sums)."""
+
+    rail: dist.ProcessGroup | None
+    node: dist.ProcessGroup | None
+    rail_splits: tuple[list[int], list[int]]
+    node_splits: tuple[list[int], list[int]]
+    fwd_idx: torch.Tensor
+    sum_rows: torch.Tensor
+    slots: SlotPlan
+
+    def move(self, buf, back, wire, mode, rows, functional) -> torch.Tensor:
+        """Forward: stage 1, the wire bytes copied, stage 2. Back: stage 2 in reverse, each
+        stage-1 row's rows summed in fp32 (rounded to the rows' dtype, encoded again), stage
+        1 in reverse."""
+        (rail_send, rail_recv), (node_send, node_recv) = self.rail_splits, self.node_splits
+        if not back:
+            got = all_to_all(buf, rail_recv, rail_send, self.rail, functional)
+            copied = rows_ops._take(got, self.fwd_idx)
+            return all_to_all(copied, node_recv, node_send, self.node, functional)
+        got = all_to_all(buf, node_send, node_recv, self.node, functional)
+        hidden, dtype = rows
+        part = rows_ops.slot_sum_decode(got, self.sum_rows, None, hidden, dtype, wire)
+        every = torch.arange(part.shape[0], device=part.device)
+        part = rows_ops.gather_encode(part, every, wire, mode)
+        return all_to_all(part, rail_send, rail_recv, self.rail, functional)
 
 
 def all_to_all(t: torch.Tensor, out_splits, in_splits, group, functional=False) -> torch.Tensor:
@@ -101,7 +140,7 @@ class _Dispatch(torch.autograd.Function):
             return sp.push_dispatch_op(x, rows_of, src_row, push.key, route.capacity, wire, mode)
         carried = route.carried(wire)
         buf = rows_ops.scatter_encode(x, rows_of, route.send_rows(), carried, mode)
-        buf = route.move(buf, False, wire, mode)
+        buf = route.move(buf, False, wire, mode, (x.shape[1], x.dtype))
         return rows_ops.gather_decode(buf, src_row, x.shape[1], x.dtype, carried)
 
     @staticmethod
@@ -114,7 +153,7 @@ class _Dispatch(torch.autograd.Function):
         else:
             carried = route.carried(wire)
             buf = rows_ops.gather_encode(grad.contiguous(), out_row, carried, mode)
-            back = route.move(buf, True, wire, mode)
+            back = route.move(buf, True, wire, mode, (hidden, dtype))
             grad_x = rows_ops.slot_sum_decode(back, rows_of, None, hidden, dtype, carried)
         return grad_x, None, None, None, None, None, None
 
@@ -131,8 +170,10 @@ class _Combine(torch.autograd.Function):
         else:
             carried = route.carried(wire)
             buf = rows_ops.gather_encode(y.contiguous(), out_row, carried, mode)
-            back = route.move(buf, True, wire, mode)
+            back = route.move(buf, True, wire, mode, (y.shape[1], y.dtype))
             out = rows_ops.slot_sum_decode(back, rows_of, weights, y.shape[1], y.dtype, carried)
+        if weights is None:  # (the backward needs no rows: each slot's weight is 1)
+            back = None
         ctx.save_for_backward(back, rows_of, src_row, weights)
         return out
 
@@ -145,15 +186,22 @@ class _Combine(torch.autograd.Function):
                 grad.contiguous(), back, rows_of, weights, src_row, push.key, route.capacity,
                 kept, wire, mode,
             )  # fmt: skip
+        elif weights is None:
+            carried = route.carried(wire)
+            buf = rows_ops.scatter_encode(grad.contiguous(), rows_of, route.send_rows(), carried,
+                                          mode)  # fmt: skip
+            grad_w = None
         else:  # (``back`` holds the forward's rows, on its carried wire)
             carried = route.carried(wire)
             buf, grad_w = rows_ops.slot_sum_decode_backward(
                 grad.contiguous(), back, rows_of, weights, back.shape[0], carried, mode,
                 route.carried(kept),
             )  # fmt: skip
-            buf = route.move(buf, False, wire, mode)
+            grad_w = grad_w.to(weights.dtype)
+        if push is None:
+            buf = route.move(buf, False, wire, mode, (hidden, dtype))
             grad_y = rows_ops.gather_decode(buf, src_row, hidden, dtype, carried)
-        return grad_y, grad_w.to(weights.dtype), None, None, None, None, None, None
+        return grad_y, grad_w, None, None, None, None, None, None
 
 
 def dispatch_rows(
@@ -185,5 +233,62 @@ def combine_rows(
 ) -> torch.Tensor:
     """y [N, H] (dispatch_rows' layout) -> [T, H] in y's dtype: out[t] = sum over the slots
     j sent of weights[t, j] * y(row of (t, j)), weights [T, k] rounded to y's dtype, fp32
-    sums over j in order. Differentiable in y and weights."""
+    sums over j in order. Differentiable in y and weights.
+
+    A node-aware route (route.nodes) weights the rows where the experts are: each slot's
+    weight travels there in fp32 (the flat path's rows, one value each), and the row sent
+    back is (weight rounded to y's dtype) * y in fp32, rounded to y's dtype; the hops then
+    sum them (NodeStages.move)."""
+    if route.nodes is not None:
+        w = _SlotValues.apply(weights.float(), route.nodes.slots)
+        w = w + (w.to(y.dtype).float() - w).detach()  # y's dtype's value, an fp32 gradient
+        y = (w[:, None] * y.float()).to(y.dtype)
+        weights = None
     return _Combine.apply(y, weights, rows_of, src_row, out_row, route, wires, mode)
+
+
+@dataclass
+class SlotPlan:
+    """The flat path's plan of one dispatch (plan.py's packed layout): rows_of [T, k],
+    src_row [N], out_row [R], splits (sent, received) per rank of ``group``."""
+
+    rows_of: torch.Tensor
+    src_row: torch.Tensor
+    out_row: torch.Tensor
+    splits: tuple[list[int], list[int]]
+    group: dist.ProcessGroup | None
+    functional: bool = False
+
+
+class _SlotValues(torch.autograd.Function):
+    """values [T, k] fp32 -> [N] fp32: each expert row's (token, slot) value, exchanged
+    exactly over the flat plan (zeros for padding rows). Differentiable in the values."""
+
+    @staticmethod
+    def forward(ctx, values, plan: SlotPlan):
+        ctx.plan, ctx.shape = plan, values.shape
+        sent, received = plan.splits
+        buf = _scatter_rows(values.reshape(-1), plan.rows_of.reshape(-1), sum(sent))
+        got = all_to_all(buf, received, sent, plan.group, plan.functional)
+        return _take_values(got, plan.src_row)
+
+    @staticmethod
+    def backward(ctx, grad):
+        plan = ctx.plan
+        sent, received = plan.splits
+        buf = _take_values(grad.contiguous(), plan.out_row)
+        back = all_to_all(buf, sent, received, plan.group, plan.functional)
+        return _take_values(back, plan.rows_of.reshape(-1)).view(ctx.shape), None
+
+
+def _take_values(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """values [n] -> [len(index)]: values[index[i]], 0 where index[i] is -1."""
+    if values.numel() == 0:
+        return values.new_zeros(index.shape)
+    return torch.where(index < 0, 0, values[index.clamp(min=0)])
+
+
+def _scatter_rows(values: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor:
+    """[n]: values[i] at index[i] (-1: dropped), zeros elsewhere."""
+    out = values.new_zeros((n + 1, *values.shape[1:]))
+    return out.index_copy_(0, torch.where(index < 0, n, index), values)[:n]

@@ -1,0 +1,94 @@
+"""The node-aware plan: where each row goes on the two hops of a dispatch across nodes.
+
+Dispatch forward, for a group of N nodes x G ranks (topology.py), a token routed to k
+experts:
+
+1. at its source (node n, local index g): encoded once per node m that holds one of its
+   experts into stage-1 row ``node_rows[t, j]`` (the first slot j of t on node m; -1 for
+   the token's other slots on m), rows grouped by node, in token order within; sent over
+   the rail (the ranks with local index g) to rank (m, g), the *forwarder*, with the
+   token's k expert ids beside it;
+2. at the forwarder: each received row copied, as wire bytes, once per slot whose expert is
+   on node m, into its stage-2 row (:func:`forward_plan`: grouped by destination rank, then
+   local expert, then received-row order) and sent over the node group;
+3. at the expert rank: decoded into the flat path's expert layout (:func:`expert_order`
+   maps each flat receive row to its stage-2 row), so the experts see what the flat path
+   gives them, bit for bit.
+
+Combine forward and dispatch backward run the hops in reverse: each forwarder sums the rows
+of a stage-1 row in fp32 (rounded to the rows' dtype, then encoded again for the rail) and
+the source sums its nodes' rows in the order of their first slots. Plain torch, small index
+ops: these run once per dispatch, after the counts' host sync.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .plan import _rank_in_bucket, send_plan
+
+
+def source_plan(topk_ids: Tensor, experts_per_node: int, nodes: int) -> tuple[Tensor, Tensor]:
+    """topk_ids [T, k] (valid ids) -> (node_rows int64 [T, k]: the stage-1 send row of the
+    first slot of each (token, node), -1 for the other slots; per_node int64 [N]: rows per
+    destination node)."""
+    t, k = topk_ids.shape
+    node = topk_ids.to(torch.int64) // experts_per_node
+    earlier = torch.ones(k, k, dtype=torch.bool, device=node.device).tril(-1)
+    repeat = ((node[:, :, None] == node[:, None, :]) & earlier).any(2)  # node seen before j
+    key = torch.where(repeat, nodes, node).reshape(-1)
+    pos, count = _rank_in_bucket(key, nodes + 1)  # token-major within a node
+    start = count.cumsum(0) - count
+    rows = torch.where(repeat.reshape(-1), -1, start[key.clamp(max=nodes - 1)] + pos)
+    return rows.view(t, k), count[:nodes]
+
+
+def source_ids(topk_ids: Tensor, node_rows: Tensor, n_rows: int) -> Tensor:
+    """int32 [n_rows, k]: the expert ids of the token of each stage-1 row."""
+    t, k = topk_ids.shape
+    out = topk_ids.new_zeros((n_rows + 1, k), dtype=torch.int32)
+    token = torch.arange(t, device=topk_ids.device)[:, None].expand(t, k).reshape(-1)
+    row = node_rows.reshape(-1)
+    out.index_copy_(0, torch.where(row < 0, n_rows, row), topk_ids.to(torch.int32)[token])
+    return out[:n_rows]
+
+
+def forward_plan(
+    ids: Tensor, node: int, experts_per_node: int, ranks_per_node: int, n_rows: int
+) -> tuple[Tensor, Tensor]:
+    """At the forwarder of ``node``: ids int32 [R1, k] (the received rows' expert ids) ->
+    (sum_rows int64 [R1, k]: the stage-2 send row of each (row, slot) whose expert is on this
+    node, -1 otherwise; fwd_idx int64 [n_rows]: the received row each stage-2 row copies)."""
+    local = ids.to(torch.int64) - node * experts_per_node
+    local = torch.where((local >= 0) & (local < experts_per_node), local, -1)
+    sum_rows, _, _ = send_plan(local, experts_per_node, ranks_per_node, None)
+    r1, k = ids.shape
+    src = torch.arange(r1, device=ids.device)[:, None].expand(r1, k).reshape(-1)
+    fwd = torch.zeros(n_rows + 1, dtype=torch.int64, device=ids.device)
+    row = sum_rows.reshape(-1)
+    fwd.index_copy_(0, torch.where(row < 0, n_rows, row), src)
+    return sum_rows, fwd[:n_rows]
+
+
+def expert_order(recv_counts: Tensor, nodes: int, ranks_per_node: int, n: int) -> Tensor:
+    """recv_counts int64 [W, L] (rows from each source rank for each local expert) -> int64
+    [n]: the stage-2 receive row of each flat receive row (source-major: source s, expert l,
+    then the rows in order). Stage 2 receives from each forwarder g (the sources of local
+    index g) its rows by expert, then source node."""
+    w, local = recv_counts.shape
+    c = recv_counts.view(nodes, ranks_per_node, local)
+    by_stage2 = c.permute(1, 2, 0).reshape(-1)  # [G, L, N] order
+    start2 = (by_stage2.cumsum(0) - by_stage2).view(ranks_per_node, local, nodes)
+    start2 = start2.permute(2, 0, 1).reshape(-1)  # back to [N, G, L] = [source, expert]
+    flat = c.reshape(-1)
+    start1 = flat.cumsum(0) - flat
+    shift = torch.repeat_interleave(start2 - start1, flat, output_size=n)
+    return shift + torch.arange(n, device=recv_counts.device)
+
+
+def remap(src_row: Tensor, out_row: Tensor, order: Tensor) -> tuple[Tensor, Tensor]:
+    """The flat receive plan (src_row [N], out_row [R]) on the stage-2 receive rows."""
+    src2 = torch.where(src_row < 0, -1, order[src_row.clamp(min=0)])
+    out2 = torch.empty_like(out_row).index_copy_(0, order, out_row)
+    return src2, out2

@@ -1,0 +1,125 @@
+"""Which ranks of an expert-parallel group share a node: the two sub-groups the node-aware
+dispatch (dispatch(..., topology=...)) sends through.
+
+A group of W = nodes * G ranks, group rank r on node r // G at local index r % G (torchrun
+numbers the ranks of a node contiguously). The *rail* of rank r: the ranks with its local
+index, one per node (the inter-node hop); its *node group*: the G ranks of its node (the
+NVLink hop). Both are made once, when the NodeTopology is built, by its ranks only.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..exchange import agreement
+from ..exchange.checks import group_rank_and_size
+
+
+class NodeTopology:
+    """The nodes of ``group`` and their sub-groups; build it on every rank of ``group``.
+
+    Args:
+        group: the expert-parallel process group (None: the default group).
+        ranks_per_node: G, the group's ranks on each node (they must be G consecutive group
+            ranks). Default: from torchrun, each rank's node being its global rank //
+            LOCAL_WORLD_SIZE; without LOCAL_WORLD_SIZE, one node.
+        mesh: instead of the two above, a 2-D DeviceMesh (nodes, ranks per node) whose ranks
+            in row-major order are the group's (its dim 0 groups are the rails, dim 1 the
+            nodes).
+
+    Attributes: nodes, ranks_per_node, node (this rank's node), local (its index there),
+    rail and node_group (process groups; None where the group has one node).
+    ``spans_nodes`` is False for one node: dispatch then takes the flat path, today's bits.
+
+    Every rank of the group checks with the others (one all_gather) that they all describe
+    the same topology before any sub-group is made: a rank that differs raises the same
+    ValueError on every rank.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        ranks_per_node: int | None = None,
+        *,
+        mesh: DeviceMesh | None = None,
+    ) -> None:
+        rank, world = group_rank_and_size(group)
+        self.group, self.world = group, world
+        problem, ranks_per_node = _ranks_per_node(group, world, ranks_per_node, mesh)
+        terms = agreement.terms_text({"ranks_per_node": ranks_per_node, "world": world})
+        status = agreement.FINE if problem is None else agreement.BAD_ARGUMENTS
+        agreement.agree("NodeTopology", status, problem or terms, [], group)
+        self.ranks_per_node = g = ranks_per_node
+        self.nodes = world // g
+        self.node, self.local = divmod(rank, g)
+        self.rail = self.node_group = None
+        if not self.spans_nodes:
+            return
+        if mesh is not None:
+            self.rail, self.node_group = mesh.get_group(0), mesh.get_group(1)
+            return
+        ranks = dist.get_process_group_ranks(group) if group is not None else range(world)
+        ranks = list(ranks)
+        rail = [ranks[n * g + self.local] for n in range(self.nodes)]
+        node = ranks[self.node * g : (self.node + 1) * g]
+        self.rail = dist.new_group(rail, use_local_synchronization=True)
+        self.node_group = dist.new_group(node, use_local_synchronization=True)
+
+    @property
+    def spans_nodes(self) -> bool:
+        return self.nodes > 1
+
+    def node_of(self, rank: int) -> int:
+        """The node of group rank ``rank``."""
+        return rank // self.ranks_per_node
+
+    def __repr__(self) -> str:
+        return f"NodeTopology({self.nodes} nodes x {self.ranks_per_node} ranks)"
+
+    def terms(self) -> str:
+        """What dispatch's agreement compares between ranks."""
+        return f"{self.nodes}x{self.ranks_per_node}"
+
+
+def _ranks_per_node(group, world, ranks_per_node, mesh) -> tuple[str | None, int]:
+    """(this rank's problem or None, G)."""
+    if mesh is not None:
+        if ranks_per_node is not None:
+            return "pass mesh or ranks_per_node, not both", 1
+        if mesh.ndim != 2:
+            return f"mesh must be 2-D (nodes, ranks per node), got {mesh.ndim}-D", 1
+        flat = mesh.mesh.flatten().tolist()
+        ranks = list(dist.get_process_group_ranks(group)) if group is not None else flat
+        if group is None and mesh.size() != world or flat != ranks:
+            return (
+                f"mesh's ranks {flat} (row-major) must be the group's ranks {ranks}; pass the "
+                "expert-parallel group the mesh covers",
+                1,
+            )
+        return None, mesh.size(1)
+    if ranks_per_node is None:
+        local = os.environ.get("LOCAL_WORLD_SIZE")
+        if local is None:
+            return None, world
+        ranks = dist.get_process_group_ranks(group) if group is not None else range(world)
+        nodes = [r // int(local) for r in ranks]
+        ranks_per_node = nodes.count(nodes[0])
+        expected = [i // ranks_per_node for i in range(world)]
+        if [n - nodes[0] for n in nodes] != expected and len(set(nodes)) > 1:
+            return (
+                f"the group's ranks lie on nodes {nodes} (global rank // LOCAL_WORLD_SIZE="
+                f"{local}): each node must hold the same number of consecutive group ranks; "
+                "pass ranks_per_node or a mesh",
+                1,
+            )
+        return None, ranks_per_node if len(set(nodes)) > 1 else world
+    if type(ranks_per_node) is not int or ranks_per_node < 1 or world % ranks_per_node:
+        return (
+            f"ranks_per_node must be a positive int dividing the group's size {world}, got "
+            f"{ranks_per_node!r}",
+            1,
+        )
+    return None, ranks_per_node

@@ -1,0 +1,111 @@
+"""Workers of test_nodes.py: the node-aware route (dispatch(..., topology=...)) on emulated
+nodes, against the flat path and a plain-torch model of its hops (:func:`node_model`).
+
+The model, for experts y = x * FACTOR and the loss sum(out * grad): dispatch's rows are the
+flat path's; each expert row (t, j) is weighted where the expert is, z = (w rounded to bf16)
+* y in fp32, rounded; combine sends z on its forward wire to the forwarder of its node,
+which sums the token's rows of the node in fp32 (slot order), rounds and sends the sum on
+the same wire; the source sums its nodes in the order of their first slots in fp32, one
+rounding. Backward: each slot's row receives grad[t] through the combine's backward wire
+(one copy per node, the same bits), and x's gradient sums like combine's forward."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from wires_workers import FACTOR, leg
+
+import mxfp8_a2a as mx
+from mxfp8_a2a.exchange.wires import layer_wires
+
+HIDDEN = 64
+
+
+def node_inputs(src, seed, tokens, top_k, experts, hidden=HIDDEN):
+    """x bf16 [T, H] (rank-encoded), ids [T, k] drawn with repeats, weights fp32 [T, k],
+    grad bf16 [T, H] of rank src."""
+    g = torch.Generator().manual_seed(seed * 100 + src)
+    scale = torch.exp2(torch.randint(-8, 9, (tokens, 1), generator=g).float())
+    x = torch.randn(tokens, hidden, generator=g) * scale
+    x[:, 0], x[:, 1] = src + 1, torch.arange(tokens).float()
+    ids = torch.randint(0, experts, (tokens, top_k), generator=g)
+    w = torch.rand(tokens, top_k, generator=g) + 0.1
+    grad = torch.randn(tokens, hidden, generator=g)
+    return x.bfloat16(), ids, w, grad.bfloat16()
+
+
+def _sum_by_node(rows, node, wire):
+    """rows [k, H] of one token (bf16), node [k]: the two-level sum of the hops."""
+    acc = torch.zeros(rows.shape[1])
+    for m in dict.fromkeys(node.tolist()):  # nodes in the order of their first slots
+        part = torch.zeros(rows.shape[1])
+        for j in torch.nonzero(node == m).flatten().tolist():
+            part = part + leg(rows[j : j + 1], wire).float()[0]
+        acc = acc + leg(part.bfloat16()[None], wire).float()[0]
+    return acc.bfloat16()
+
+
+def node_model(rank, world, g, seed, tokens, top_k, per_rank, wires: mx.Wires):
+    """Rank ``rank``'s expected (rows by local expert, their gradients, out, x's gradient,
+    the weights' gradient fp32 [T, k] and the sums of its terms' magnitudes)."""
+    experts, per_node = per_rank * world, per_rank * g
+    rows = [[] for _ in range(per_rank)]
+    grads = [[] for _ in range(per_rank)]
+    for s in range(world):
+        x, ids, w, gr = node_inputs(s, seed, tokens[s], top_k, experts)
+        for lid in range(per_rank):
+            t_idx, j_idx = torch.nonzero(ids == rank * per_rank + lid, as_tuple=True)
+            rows[lid].append(leg(x[t_idx], wires.dispatch_fwd))
+            gz = leg(gr[t_idx], wires.combine_bwd).float()
+            grads[lid].append((w.bfloat16().float()[t_idx, j_idx, None] * gz).bfloat16())
+    x, ids, w, gr = node_inputs(rank, seed, tokens[rank], top_k, experts)
+    out, gx = torch.zeros(x.shape, dtype=torch.bfloat16), torch.zeros(x.shape).bfloat16()
+    gw, gw_abs = torch.zeros(w.shape), torch.zeros(w.shape)
+    wb = w.bfloat16().float()
+    y = leg(x, wires.dispatch_fwd) * FACTOR
+    gz = leg(gr, wires.combine_bwd).float()
+    for t in range(x.shape[0]):
+        node = ids[t] // per_node
+        z = (wb[t, :, None] * y[t].float()).bfloat16()  # [k, H]
+        out[t] = _sum_by_node(z, node, wires.combine_fwd)
+        gy = (wb[t, :, None] * gz[t]).bfloat16() * FACTOR
+        gx[t] = _sum_by_node(gy, node, wires.dispatch_bwd)
+        gw[t] = (gz[t] * y[t].float()).sum(-1)
+        gw_abs[t] = (gz[t] * y[t].float()).abs().sum(-1)
+    rows, grads = [torch.cat(r) for r in rows], [torch.cat(r) for r in grads]
+    return rows, grads, out, gx, gw, gw_abs
+
+
+def route_matches_model(rank, world, backend, seed, tokens, top_k, per_rank, layouts, exchanges):
+    """For each ranks-per-node G in ``layouts`` and each exchange: the node-aware dispatch's
+    rows equal the flat path's bit for bit, and everything equals :func:`node_model`."""
+    experts = per_rank * world
+    x, ids, w, grad = node_inputs(rank, seed, tokens[rank], top_k, experts)
+    for g in layouts:
+        topo = mx.NodeTopology(None, g)
+        for exchange in exchanges:
+            wires = layer_wires(exchange)
+            flat, _, _ = mx.dispatch(x, ids, experts, exchange=exchange)
+            xi, wi = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+            ex, counts, handle = mx.dispatch(xi, ids, experts, exchange=exchange, topology=topo)
+            what = f"{g} per node, {exchange}, rank {rank}"
+            assert torch.equal(ex.detach(), flat), what
+            y = ex * FACTOR
+            y.retain_grad()
+            out = mx.combine(y, wi, handle)
+            (out.float() * grad.float()).sum().backward()
+            if g == world:  # one node: the flat path itself
+                assert handle.nodes is None
+                continue
+            assert handle.nodes is not None
+            want = node_model(rank, world, g, seed, tokens, top_k, per_rank, wires)
+            starts = [0, *torch.tensor(counts).cumsum(0).tolist()[:-1]]
+            for lid, a in enumerate(starts):
+                n = want[0][lid].shape[0]
+                assert torch.equal(ex[a : a + n].detach(), want[0][lid]), (what, lid)
+                assert torch.equal(y.grad[a : a + n], want[1][lid]), (what, lid)
+            assert torch.equal(out.detach(), want[2]), what
+            assert torch.equal(xi.grad, want[3]), what
+            bound = 2 * HIDDEN * 2.0**-24 * want[5] + 1e-6
+            assert ((wi.grad - want[4]).abs() <= bound).all(), what
+    dist.barrier()
