@@ -56,9 +56,16 @@ from ..exchange.agreement import (
 
 
 def register_checkpoint_hooks(layer: torch.nn.Module) -> None:
-    """Install the state-dict hooks on an ExpertParallelMoE (called by its constructor)."""
+    """Install the state-dict hooks on an ExpertParallelMoE (called by its constructor); the
+    layers of a model are the modules that hold them (:func:`moe_layers`)."""
     layer.register_state_dict_post_hook(_present_experts)
     layer.register_load_state_dict_pre_hook(_accept_experts)
+    layer._mxfp8_a2a_moe = True
+
+
+def moe_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(qualified name, layer) of every ExpertParallelMoE in ``model`` (itself included)."""
+    return [(n, m) for n, m in model.named_modules() if getattr(m, "_mxfp8_a2a_moe", False)]
 
 
 def _group_of(layer) -> dist.ProcessGroup:
@@ -187,8 +194,6 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _expert_params(net: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, str]]:
-    from .parallel import moe_layers
-
     dot = lambda prefix: f"{prefix}." if prefix else ""  # noqa: E731
     return {
         f"{dot(prefix)}experts.{name}": (layer, name)

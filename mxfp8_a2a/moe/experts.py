@@ -160,3 +160,23 @@ class _ScaleGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad * ctx.scale, None
+
+
+def draw_router(hidden: int, num_experts: int, seed: int) -> torch.Tensor:
+    """The router of a layer built with ``seed``: fp32 [hidden, num_experts] on CPU."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(hidden, num_experts, generator=g) * hidden**-0.5
+
+
+def init_moe_weights(
+    hidden: int, ffn: int, num_experts: int, seed: int, activation: str = "gelu"
+) -> dict[str, torch.Tensor]:
+    """All experts' weights as one rank of a group of one builds them, fp32 on CPU: router
+    [H, E], w1 [E, H, F] (swiglu: [E, H, 2F]), w2 [E, F, H] (the single-process definition
+    tests compare to)."""
+    experts = [draw_expert(hidden, ffn, seed, e, activation) for e in range(num_experts)]
+    return {
+        "router": draw_router(hidden, num_experts, seed),
+        "w1": torch.stack([w1 for w1, _ in experts]),
+        "w2": torch.stack([w2 for _, w2 in experts]),
+    }

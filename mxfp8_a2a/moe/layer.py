@@ -25,8 +25,9 @@ from . import layer_checks as checks
 from .checkpoint import register_checkpoint_hooks
 from .dispatch_static import STAT_NAMES, combine_static, dispatch_static
 from .dispatch_synced import combine, dispatch, dispatch_reporting
-from .experts import GroupedExperts, draw_expert
+from .experts import GroupedExperts, draw_router, init_moe_weights  # noqa: F401
 from .routing import _route, balance_loss, groups_error, update_bias
+from .topology import NodeTopology
 
 
 class ExpertParallelMoE(torch.nn.Module):
@@ -59,6 +60,7 @@ class ExpertParallelMoE(torch.nn.Module):
         activation: str = "gelu",
         balance_bias: bool = False,
         route_groups: tuple[int, int] | None = None,
+        topology: NodeTopology | str | None = "auto",
         seed: int | None = None,
         capacity_factor: float | None = None,
         capacity: int | None = None,
@@ -104,6 +106,10 @@ class ExpertParallelMoE(torch.nn.Module):
             route_groups: (G, M): node-limited routing; the experts form G contiguous
                 groups (G = the nodes: experts sit on the ranks in order) and each token
                 picks its experts within its M best groups (DeepSeek-V3); None: any.
+            topology: a :class:`mxfp8_a2a.NodeTopology` of ``group``: the host-synced
+                dispatch sends each token once per node (:func:`mxfp8_a2a.dispatch`). "auto":
+                torchrun's nodes when the group spans several (one NodeTopology per group,
+                shared by the layers), else None (flat). The static dispatch is flat.
             seed: expert e is drawn from a generator seeded by (seed, e), the router from
                 seed, so a given seed builds the same model at every group size. None (the
                 default): the seed is drawn from torch's default generator, so
@@ -200,6 +206,7 @@ class ExpertParallelMoE(torch.nn.Module):
         else:
             self.expert_bias = self.expert_load = None
         self._exchange, self.wires, self.transport = exchange, wires, transport
+        self.topology = checks.layer_topology(topology, group, self.static)
         router = torch.empty(hidden, num_experts, device=device, dtype=dtype or torch.float32)
         if router.device.type != "meta":
             router.copy_(draw_router(hidden, num_experts, seed))
@@ -312,9 +319,8 @@ class ExpertParallelMoE(torch.nn.Module):
                 self.expert_load.add_(torch.bincount(ids.flatten(), minlength=self.num_experts))
         if self.static:
             return self._forward_static(x, weights, ids)
-        ex, _, handle = dispatch(
-            x, ids, self.num_experts, self.group, exchange=self.wires, transport=self.transport
-        )
+        ex, _, handle = dispatch(x, ids, self.num_experts, self.group, exchange=self.wires,
+                                 transport=self.transport, topology=self.topology)  # fmt: skip
         return combine(self.experts(ex, handle.expert_offsets), weights, handle)
 
     def _forward_static(self, x, weights, ids) -> torch.Tensor:
@@ -385,23 +391,3 @@ def _check_fp8_casts(layer: ExpertParallelMoE, args: tuple) -> None:
     dispatch_reporting(
         x, None, layer.num_experts, layer.group, layer.wires, layer.transport, problem
     )
-
-
-def draw_router(hidden: int, num_experts: int, seed: int) -> torch.Tensor:
-    """The router of a layer built with ``seed``: fp32 [hidden, num_experts] on CPU."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(hidden, num_experts, generator=g) * hidden**-0.5
-
-
-def init_moe_weights(
-    hidden: int, ffn: int, num_experts: int, seed: int, activation: str = "gelu"
-) -> dict[str, torch.Tensor]:
-    """All experts' weights as one rank of a group of one builds them, fp32 on CPU: router
-    [H, E], w1 [E, H, F] (swiglu: [E, H, 2F]), w2 [E, F, H] (the single-process definition
-    tests compare to)."""
-    experts = [draw_expert(hidden, ffn, seed, e, activation) for e in range(num_experts)]
-    return {
-        "router": draw_router(hidden, num_experts, seed),
-        "w1": torch.stack([w1 for w1, _ in experts]),
-        "w2": torch.stack([w2 for _, w2 in experts]),
-    }

@@ -31,6 +31,7 @@ from ..exchange.wires import layer_wires
 from ..grouped.gemm import PRECISIONS
 from .agree import capturing
 from .dispatch_static import capacity_for
+from .topology import NodeTopology, torchrun_topology
 
 WHAT = "ExpertParallelMoE"
 _DDP_FIX = (
@@ -105,6 +106,24 @@ def check_construction(
     return capacity
 
 
+def layer_topology(topology, group, static: bool) -> NodeTopology | None:
+    """The layer's ``topology`` argument, resolved at construction (see ExpertParallelMoE)."""
+    if isinstance(topology, str) and topology == "auto":
+        return None if static else torchrun_topology(group)
+    if topology is None:
+        return None
+    if not isinstance(topology, NodeTopology):
+        raise ValueError(f"topology must be a NodeTopology, 'auto' or None, got {topology!r}")
+    if topology.group is not group:
+        raise ValueError("topology must be built on the layer's group: NodeTopology(group, ...)")
+    if static and topology.spans_nodes:
+        raise ValueError(
+            "the static dispatch (capacity / capacity_factor) takes the flat route: pass "
+            "topology=None, or leave out capacity for the node-aware host-synced dispatch"
+        )
+    return topology
+
+
 def first_forward_due(layer) -> bool:
     """Whether this forward runs the first-forward check: not yet passed, eager (not under
     torch.compile, nor CUDA graph capture), a group of more than one rank."""
@@ -132,6 +151,8 @@ def _terms(layer, x) -> str:
     terms |= {"top_k": layer.top_k, "exchange": "/".join(layer.wires), "precision": layer.precision}
     terms |= {"capacity": layer.capacity, "max_tokens": layer.max_tokens, "align": layer.align}
     terms |= {"transport": _transport_kind(layer.transport)}
+    if layer.topology is not None:
+        terms["topology"] = layer.topology.terms()
     if isinstance(x, torch.Tensor):
         terms["x.dtype"] = x.dtype
     return agreement.terms_text(terms)

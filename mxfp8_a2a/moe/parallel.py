@@ -27,13 +27,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .layer import ExpertParallelMoE
+from .checkpoint import moe_layers
 from .layer_checks import mesh_group
-
-
-def moe_layers(model: torch.nn.Module) -> list[tuple[str, ExpertParallelMoE]]:
-    """(qualified name, layer) of every ExpertParallelMoE in ``model`` (itself included)."""
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, ExpertParallelMoE)]
 
 
 def _ranks(model: torch.nn.Module, replicas: dist.ProcessGroup | None, who: str) -> int:
@@ -104,7 +99,7 @@ def prepare_ddp(
 
 
 @torch.no_grad()
-def _broadcast_over(layer: ExpertParallelMoE, group: dist.ProcessGroup | None) -> None:
+def _broadcast_over(layer: torch.nn.Module, group: dist.ProcessGroup | None) -> None:
     """The experts of ``layer`` made equal over ``group`` (replicas): its first rank's."""
     if group is None or dist.get_world_size(group) == 1:
         return

@@ -123,3 +123,24 @@ def _ranks_per_node(group, world, ranks_per_node, mesh) -> tuple[str | None, int
             1,
         )
     return None, ranks_per_node
+
+
+SHARED_MAX = 16  # groups whose torchrun topology is kept (each holds two process groups)
+_shared: dict[object, NodeTopology] = {}
+
+
+def torchrun_topology(group: dist.ProcessGroup | None) -> NodeTopology | None:
+    """The NodeTopology of ``group`` from torchrun's LOCAL_WORLD_SIZE when the group's ranks
+    lie on several nodes (built once per group, at most SHARED_MAX kept; free them with
+    ``_shared.clear()`` after destroying the groups), else None without any collective."""
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    ranks = dist.get_process_group_ranks(group) if group is not None else None
+    ranks = ranks or range(dist.get_world_size())
+    if local is None or len({r // int(local) for r in ranks}) < 2:
+        return None
+    key = group if group is not None else "world"
+    if key not in _shared:
+        if len(_shared) >= SHARED_MAX:
+            _shared.pop(next(iter(_shared)))
+        _shared[key] = NodeTopology(group)
+    return _shared[key]
