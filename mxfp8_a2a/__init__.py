@@ -68,6 +68,7 @@ from .moe import (
     load_full_state_dict,
     prepare_ddp,
     prepare_optimizer,
+    sent_bytes,
     shard_experts,
     static_rows,
 )
@@ -117,6 +118,7 @@ __all__ = [
     "quantize_dequantize_reference",
     "quantize_packed",
     "quantize_reference",
+    "sent_bytes",
     "shard_experts",
     "static_rows",
     "static_transport",

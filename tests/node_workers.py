@@ -109,3 +109,52 @@ def route_matches_model(rank, world, backend, seed, tokens, top_k, per_rank, lay
             bound = 2 * HIDDEN * 2.0**-24 * want[5] + 1e-6
             assert ((wi.grad - want[4]).abs() <= bound).all(), what
     dist.barrier()
+
+
+def expected_bytes(world, g, seed, tokens, top_k, per_rank, row: int, ids_of=None):
+    """Every rank's bytes to other ranks on one leg, summed over the ranks, from the routing
+    alone: {"node": (within, between), "flat": (within, between)}: node-aware, a row per
+    (token, node) between nodes and a row per slot from the forwarder to other ranks of the
+    node; flat, a row per slot."""
+    experts = per_rank * world
+    node_w = node_b = flat_w = flat_b = 0
+    for s in range(world):
+        ids = ids_of(s) if ids_of else node_inputs(s, seed, tokens[s], top_k, experts)[1]
+        dest = ids // per_rank  # the experts' ranks
+        for t in range(ids.shape[0]):
+            nodes = {int(d) // g for d in dest[t]}
+            node_b += len(nodes - {s // g})
+            for d in dest[t].tolist():
+                forwarder = d // g * g + s % g
+                node_w += d != forwarder
+                flat_b += d // g != s // g
+                flat_w += d // g == s // g and d != s
+    return {"node": (node_w * row, node_b * row), "flat": (flat_w * row, flat_b * row)}
+
+
+def bytes_match_routing(rank, world, backend, seed, tokens, top_k, per_rank, layouts):
+    """sent_bytes of the node-aware and the flat dispatch, summed over the ranks, against
+    :func:`expected_bytes` on every leg; routing kept within each token's own node sends
+    nothing between nodes."""
+    experts = per_rank * world
+    for g in layouts:
+        topo = mx.NodeTopology(None, g)
+        own = lambda s: (  # noqa: E731  ids on the source's own node only
+            node_inputs(s, seed, tokens[s], top_k, experts)[1] % (per_rank * g)
+            + s // g * per_rank * g
+        )
+        for ids_of in (None, own):
+            x, ids, _, _ = node_inputs(rank, seed, tokens[rank], top_k, experts)
+            ids = ids_of(rank) if ids_of else ids
+            for exchange, row in (("mxfp8", 80), ("bf16", 2 * HIDDEN)):
+                want = expected_bytes(world, g, seed, tokens, top_k, per_rank, row, ids_of)
+                for key, kwargs in (("node", {"topology": topo}), ("flat", {})):
+                    _, _, handle = mx.dispatch(x, ids, experts, exchange=exchange, **kwargs)
+                    got = mx.sent_bytes(handle, topo)
+                    for leg in ("dispatch_fwd", "dispatch_bwd", "combine_fwd", "combine_bwd"):
+                        t = torch.tensor([got[leg]["within"], got[leg]["between"]])
+                        dist.all_reduce(t)
+                        assert tuple(t.tolist()) == want[key], (g, exchange, key, leg, t, want)
+                    if ids_of is own:
+                        assert want[key][1] == 0
+    dist.barrier()

@@ -31,6 +31,7 @@ from .dispatch_static import (
 from .dispatch_synced import DispatchHandle, combine, dispatch
 from .experts import GroupedExperts
 from .layer import ExpertParallelMoE
+from .node_plan import sent_bytes
 from .parallel import prepare_ddp, shard_experts
 from .routing import route
 from .topology import NodeTopology
@@ -54,6 +55,7 @@ __all__ = [
     "prepare_ddp",
     "prepare_optimizer",
     "route",
+    "sent_bytes",
     "shard_experts",
     "static_rows",
 ]

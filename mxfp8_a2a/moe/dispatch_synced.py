@@ -63,6 +63,8 @@ class DispatchHandle:
     to / received from each rank. expert_offsets: int32 [L], end offset of each local
     expert's rows in dispatch's output (what grouped GEMMs take). hidden: for the checks.
     exchange: combine's default (forward, backward) wires; transport: how MXFP8 rows move.
+    nodes, topology: the node-aware route's hops and nodes (None: flat); dispatch_wires,
+    dtype: dispatch's (forward, backward) wires and x's dtype (for sent_bytes).
     dispatch_id: which dispatch (see :func:`mark_output`). functional: the exchanges as
     torch's functional all_to_all_single (see engine.Route).
     """
@@ -80,6 +82,9 @@ class DispatchHandle:
     dispatch_id: int = 0
     functional: bool = False
     nodes: NodeStages | None = None
+    topology: NodeTopology | None = None
+    dispatch_wires: tuple[str, str] = ("mxfp8", "mxfp8")
+    dtype: torch.dtype = torch.bfloat16
 
     @property
     def route(self) -> Route:
@@ -225,6 +230,8 @@ def dispatch_reporting(
     handle = DispatchHandle(
         rows_of, src_row, out_row, input_splits, output_splits, offsets, x.shape[1], group,
         combine_default(exchange), chosen, functional=functional, nodes=nodes,
+        topology=topology if nodes is not None else None,
+        dispatch_wires=leg_pair(exchange, "dispatch"), dtype=x.dtype,
     )  # fmt: skip
     wires = leg_pair(exchange, "dispatch")
     out = dispatch_rows(x, rows_of, src_row, out_row, handle.route, wires, "rceil")

@@ -24,7 +24,10 @@ ops: these run once per dispatch, after the counts' host sync.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
+
+from ..exchange.rows import wire_row
 
 from .plan import _rank_in_bucket, send_plan
 
@@ -92,3 +95,47 @@ def remap(src_row: Tensor, out_row: Tensor, order: Tensor) -> tuple[Tensor, Tens
     src2 = torch.where(src_row < 0, -1, order[src_row.clamp(min=0)])
     out2 = torch.empty_like(out_row).index_copy_(0, order, out_row)
     return src2, out2
+
+
+LEGS = ("dispatch_fwd", "dispatch_bwd", "combine_fwd", "combine_bwd")
+
+
+def sent_bytes(handle, topology=None) -> dict[str, dict[str, int]]:
+    """Bytes this rank sends to other ranks for one dispatch and its combine (forward and
+    backward), by where they go: {leg: {"within": to ranks of its node, "between": to other
+    nodes}} for the legs in LEGS, and "metadata": the node-aware route's expert ids (4 bytes
+    each) and the slot weights and their gradients (4 bytes each). Read from the plan on the
+    host: no sync, no collective. A row is wire_row(H) bytes on an MXFP8 leg, H * x's
+    element size on a "bf16" one; what a rank keeps counts nowhere, nor the counts' small
+    fixed-size messages.
+
+    handle: from :func:`mxfp8_a2a.dispatch` (its wires and combine's default ones);
+    topology: which ranks share a node, for a flat handle (default: one node)."""
+    if handle.nodes is not None:
+        topology = handle.topology
+    rank = dist.get_rank(handle.group) if dist.is_initialized() else 0
+    g = topology.ranks_per_node if topology is not None else len(handle.input_splits)
+    me, local = divmod(rank, g)
+    size = {"mxfp8": wire_row(handle.hidden), "bf16": handle.hidden * handle.dtype.itemsize}
+    wires = dict(zip(LEGS, (*handle.dispatch_wires, *handle.exchange), strict=True))
+    out = {leg: {"within": 0, "between": 0} for leg in (*LEGS, "metadata")}
+
+    def add(into, rows, per_row, node_of, mine) -> None:
+        for peer, n in enumerate(rows):
+            if peer != mine:
+                into["within" if node_of(peer) == me else "between"] += n * per_row
+
+    for leg in LEGS:
+        back = leg in ("dispatch_bwd", "combine_fwd")
+        if (stages := handle.nodes) is None:
+            rows = handle.output_splits if back else handle.input_splits
+            add(out[leg], rows, size[wires[leg]], lambda r: r // g, rank)
+        else:
+            add(out[leg], stages.rail_splits[back], size[wires[leg]], lambda n: n, me)
+            add(out[leg], stages.node_splits[back], size[wires[leg]], lambda i: me, local)
+    if (stages := handle.nodes) is not None:
+        k = handle.rows_of.shape[1]
+        add(out["metadata"], stages.rail_splits[0], 4 * k, lambda n: n, me)  # the ids
+        for rows in (handle.input_splits, handle.output_splits):  # weights and gradients
+            add(out["metadata"], rows, 4, lambda r: r // g, rank)
+    return out
