@@ -28,7 +28,6 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..exchange.rows import wire_row
-
 from .plan import _rank_in_bucket, send_plan
 
 
