@@ -139,10 +139,11 @@ def bytes_match_routing(rank, world, backend, seed, tokens, top_k, per_rank, lay
     experts = per_rank * world
     for g in layouts:
         topo = mx.NodeTopology(None, g)
-        own = lambda s: (  # noqa: E731  ids on the source's own node only
-            node_inputs(s, seed, tokens[s], top_k, experts)[1] % (per_rank * g)
-            + s // g * per_rank * g
-        )
+
+        def own(s, g=g):  # ids on the source's own node only
+            ids = node_inputs(s, seed, tokens[s], top_k, experts)[1]
+            return ids % (per_rank * g) + s // g * per_rank * g
+
         for ids_of in (None, own):
             x, ids, _, _ = node_inputs(rank, seed, tokens[rank], top_k, experts)
             ids = ids_of(rank) if ids_of else ids
@@ -151,10 +152,10 @@ def bytes_match_routing(rank, world, backend, seed, tokens, top_k, per_rank, lay
                 for key, kwargs in (("node", {"topology": topo}), ("flat", {})):
                     _, _, handle = mx.dispatch(x, ids, experts, exchange=exchange, **kwargs)
                     got = mx.sent_bytes(handle, topo)
-                    for leg in ("dispatch_fwd", "dispatch_bwd", "combine_fwd", "combine_bwd"):
-                        t = torch.tensor([got[leg]["within"], got[leg]["between"]])
+                    for name in ("dispatch_fwd", "dispatch_bwd", "combine_fwd", "combine_bwd"):
+                        t = torch.tensor([got[name]["within"], got[name]["between"]])
                         dist.all_reduce(t)
-                        assert tuple(t.tolist()) == want[key], (g, exchange, key, leg, t, want)
+                        assert tuple(t.tolist()) == want[key], (g, exchange, key, name, t, want)
                     if ids_of is own:
                         assert want[key][1] == 0
     dist.barrier()
