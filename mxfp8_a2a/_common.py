@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -29,8 +30,16 @@ def next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
+# what Triton's decorator read when this package's kernels were defined (at its import)
+INTERPRET_AT_IMPORT = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def interpreted(kernel) -> bool:
-    """True when ``kernel`` was decorated while TRITON_INTERPRET=1 (runs on CPU tensors)."""
+    """True when ``kernel`` was decorated while TRITON_INTERPRET=1 (runs on CPU tensors).
+    Under torch.compile: the setting at import (torch 2.11's Dynamo cannot trace the kernel
+    object's type)."""
+    if torch.compiler.is_compiling():
+        return INTERPRET_AT_IMPORT
     return type(kernel).__name__ == "InterpretedFunction"
 
 

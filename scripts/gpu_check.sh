@@ -37,10 +37,14 @@ if has tests; then
     done
   fi
   : > "$out/tests.txt"
+  # each file's whole log in OUTDIR/<file>.log; tests.txt: its failures and summary line
   for t in ${TESTS:-$(cd "$here" && echo tests/test_*.py)}; do
     echo "== $t" >> "$out/tests.txt"
+    log="$out/$(basename "$t" .py).log"
     timeout "${TEST_FILE_TIMEOUT:-300}" python3 -m pytest -q -rs --timeout 240 -p no:cacheprovider \
-      "$here/$t" 2>&1 | tail -8 >> "$out/tests.txt"
+      "$here/$t" > "$log" 2>&1
+    grep -E "^(FAILED|ERROR) " "$log" >> "$out/tests.txt"
+    tail -1 "$log" >> "$out/tests.txt"
   done
   cat "$out/tests.txt"
 fi

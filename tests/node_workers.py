@@ -159,3 +159,60 @@ def bytes_match_routing(rank, world, backend, seed, tokens, top_k, per_rank, lay
                     if ids_of is own:
                         assert want[key][1] == 0
     dist.barrier()
+
+
+def layer_takes_the_route(rank, world, backend, path, g):
+    """ExpertParallelMoE with a NodeTopology: close to the flat layer (the same experts; the
+    sums in another order), under DistributedDataParallel after prepare_ddp, and its
+    state dict through torch.distributed.checkpoint the flat layer's."""
+    import torch.distributed.checkpoint as dcp
+
+    topo = mx.NodeTopology(None, g)
+    kw = {"exchange": "bf16", "seed": 3}
+    node = mx.ExpertParallelMoE(64, 32, 2 * world, 3, topology=topo, **kw)
+    flat = mx.ExpertParallelMoE(64, 32, 2 * world, 3, topology=None, **kw)
+    assert node.topology is topo and flat.topology is None
+    x = torch.randn(5 + rank, 64, generator=torch.Generator().manual_seed(rank))
+    outs = []
+    for layer in (node, flat):
+        net = torch.nn.Sequential(layer)
+        mx.prepare_ddp(net)
+        ddp = torch.nn.parallel.DistributedDataParallel(net)
+        out = ddp(x)
+        out.square().sum().backward()
+        outs.append((out.detach(), layer.router.grad, layer.experts.w1.grad))
+    for a, b in zip(*outs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    dcp.save(node.state_dict(), checkpoint_id=path)
+    other = mx.ExpertParallelMoE(64, 32, 2 * world, 3, exchange="bf16", seed=4, topology=None)
+    state = other.state_dict()
+    dcp.load(state, checkpoint_id=path)
+    other.load_state_dict(state)
+    assert torch.equal(other.experts.w1, flat.experts.w1)
+    assert torch.equal(other.router, flat.router)
+    dist.barrier()
+
+
+def bad_topology_fails_everywhere(rank, world, backend):
+    """A rank that describes other nodes than the others: the same error on every rank."""
+    try:
+        mx.NodeTopology(None, 1 if rank == 1 else 2)
+    except ValueError as e:
+        assert "ranks_per_node differs between ranks ([2, 1, 2, 2] by rank)" in str(e), e
+    else:
+        raise AssertionError("no error")
+    try:
+        mx.NodeTopology(None, 3 if rank == 0 else 2)
+    except ValueError as e:
+        assert "rank(s) [0]" in str(e) and "ranks_per_node must be a positive int" in str(e), e
+    else:
+        raise AssertionError("no error")
+    topo = mx.NodeTopology(None, 2)  # one rank passes none: dispatch tells every rank
+    x, ids = torch.randn(4, 64), torch.randint(0, 8, (4, 2))
+    try:
+        mx.dispatch(x, ids, 8, topology=None if rank == 2 else topo)
+    except ValueError as e:
+        assert "topology differs between ranks" in str(e), e
+    else:
+        raise AssertionError("no error")
+    dist.barrier()

@@ -8,7 +8,12 @@ import random
 
 import pytest
 from dist_utils import run_distributed
-from node_workers import bytes_match_routing, route_matches_model
+from node_workers import (
+    bad_topology_fails_everywhere,
+    bytes_match_routing,
+    layer_takes_the_route,
+    route_matches_model,
+)
 
 EXCHANGES = ["mxfp8", "bf16", "mxfp8_to_experts", ("bf16", "mxfp8", "mxfp8", "bf16")]
 
@@ -35,3 +40,11 @@ def test_sent_bytes_match_the_routing(world, layouts):
     seed = random.randrange(2**31)
     tokens = [6, 0, 9, 4][:world]
     run_distributed(bytes_match_routing, world, "gloo", seed, tokens, 3, 2, layouts, timeout=600)
+
+
+def test_layer_under_ddp_and_dcp(tmp_path):
+    run_distributed(layer_takes_the_route, 4, "gloo", str(tmp_path / "ckpt"), 2, timeout=600)
+
+
+def test_bad_topology_fails_on_every_rank():
+    run_distributed(bad_topology_fails_everywhere, 4, "gloo", timeout=300)
