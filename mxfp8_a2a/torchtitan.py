@@ -41,6 +41,7 @@ from .exchange.wires import WIRE_PRESETS
 from .moe.dispatch_static import StaticHandle, capacity_for, combine_static, dispatch_static
 from .moe.dispatch_synced import DispatchHandle, dispatch_reporting
 from .moe.dispatch_synced import combine as combine_synced
+from .moe.topology import NodeTopology, shared_topology
 
 SUPPORTED = ("0.3.",)  # torchtitan releases this module is tested with (the extra pins it)
 
@@ -111,12 +112,24 @@ class MXFP8TokenDispatcher(AllToAllTokenDispatcher):
     class Config(AllToAllTokenDispatcher.Config):
         wire: str = DEFAULT_WIRE
         """Wire preset of the four legs: "mxfp8", "mxfp8_to_experts" or "bf16"."""
+        ranks_per_node: int | None = None
+        """EP ranks per node for the node-aware route (each token sent once per node it
+        reaches); None: torchrun's nodes; the EP size: flat."""
 
     def __init__(self, config: Config):
         if (problem := _wire_error(config.wire)) is not None:
             raise ValueError(problem)
         super().__init__(config)
-        self.wire = config.wire
+        self.wire, self.ranks_per_node = config.wire, config.ranks_per_node
+        self.topology: NodeTopology | None = None
+
+    def init_buffer(self) -> None:
+        """When torchtitan wires the EP mesh: the NodeTopology of its group (shared by the
+        dispatchers of one group), or None on one node."""
+        super().init_buffer()
+        group = self.ep_mesh.get_group() if self.ep_mesh is not None else None
+        if group is not None:
+            self.topology = shared_topology(group, self.ranks_per_node)
 
     def dispatch(
         self,
@@ -142,7 +155,7 @@ class MXFP8TokenDispatcher(AllToAllTokenDispatcher):
         # so a recomputed block does not exchange again
         routed, _, handle = dispatch_reporting(
             x_TD, topk_expert_ids_TK, self.num_experts, self.ep_mesh.get_group(), self.wire,
-            "nccl", None, functional=True,
+            "nccl", None, functional=True, topology=self.topology,
         )  # fmt: skip
         return routed, handle.expert_offsets, handle
 
@@ -199,9 +212,14 @@ class MXFP8StaticTokenDispatcher(MXFP8TokenDispatcher):
     def __init__(self, config: Config):
         if config.capacity_factor is not None:
             capacity_for(1, 1, 1, config.capacity_factor)  # its check of the factor
+        if config.ranks_per_node is not None:
+            raise ValueError("the static dispatcher's route is flat: leave ranks_per_node None")
         super().__init__(config)
         self.capacity_factor = config.capacity_factor
         self.last_stats: torch.Tensor | None = None
+
+    def init_buffer(self) -> None:  # (flat: no NodeTopology)
+        AllToAllTokenDispatcher.init_buffer(self)
 
     def _move(self, x_TD: torch.Tensor, topk_expert_ids_TK: torch.Tensor):  # noqa: N803
         """The static path: a capacity from the token count, no host sync."""

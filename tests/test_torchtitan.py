@@ -65,6 +65,14 @@ def test_debug_moe_bf16_wire_close_to_torchtitans(world):
         assert diffs["out"] < 2**-7 and diffs["x"] < 2**-7, diffs
 
 
+def test_dispatcher_takes_the_node_aware_route():
+    """ranks_per_node=2 at EP 4 (2 emulated nodes): the hops' model bit for bit."""
+    from torchtitan_workers import dispatcher_node_route_matches_model
+
+    tokens = [6, 0, 9, 4]
+    run_distributed(dispatcher_node_route_matches_model, 4, seed(), tokens, 3, 2, 2, timeout=300)
+
+
 def test_override_factory_checks_the_wire():
     from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
 

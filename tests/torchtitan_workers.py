@@ -379,3 +379,28 @@ def static_against_synced(rank, world, seed, wire, compiled):
         results.append(run_moe(block, x, torch.randn(x.shape, generator=gen)))
     synced, static = results
     return {k: normwise(static[k], synced[k]) for k in synced}
+
+
+def dispatcher_node_route_matches_model(rank, world, seed, tokens_by_rank, top_k, per_rank, g):
+    """Our dispatcher with ranks_per_node=g: the node-aware route, bit for bit the model of
+    its hops (node_workers.py), from torchtitan's own wiring of the EP mesh."""
+    from node_workers import HIDDEN, node_inputs, node_model
+
+    mesh = ep_mesh(world)
+    experts = per_rank * world
+    cfg = MXFP8TokenDispatcher.Config(num_experts=experts, top_k=top_k, ranks_per_node=g)
+    ours = cfg.build()
+    ours.wire_meshes(ep_mesh=mesh)
+    assert ours.topology is not None and ours.topology.ranks_per_node == g
+    want = node_model(
+        rank, world, g, seed, tokens_by_rank, top_k, per_rank, mx.Wires(*["mxfp8"] * 4)
+    )
+    x, ids, w, grad = node_inputs(rank, seed, tokens_by_rank[rank], top_k, experts)
+    r = _through(ours, x, ids, w, grad, experts)
+    assert r["md"].handle.nodes is not None
+    assert torch.equal(r["routed"], torch.cat(want[0])), "rows"
+    assert torch.equal(r["y_grad"], torch.cat(want[1])), "rows' gradients"
+    assert torch.equal(r["out"], want[2]), "out"
+    assert torch.equal(r["x"], want[3]), "x's gradient"
+    assert ((r["s"] - want[4]).abs() <= 2 * HIDDEN * 2.0**-24 * want[5] + 1e-6).all(), "scores"
+    dist.barrier()

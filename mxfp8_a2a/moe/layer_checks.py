@@ -31,7 +31,7 @@ from ..exchange.wires import layer_wires
 from ..grouped.gemm import PRECISIONS
 from .agree import capturing
 from .dispatch_static import capacity_for
-from .topology import NodeTopology, torchrun_topology
+from .topology import NodeTopology, shared_topology
 
 WHAT = "ExpertParallelMoE"
 _DDP_FIX = (
@@ -109,7 +109,7 @@ def check_construction(
 def layer_topology(topology, group, static: bool) -> NodeTopology | None:
     """The layer's ``topology`` argument, resolved at construction (see ExpertParallelMoE)."""
     if isinstance(topology, str) and topology == "auto":
-        return None if static else torchrun_topology(group)
+        return None if static else shared_topology(group)
     if topology is None:
         return None
     if not isinstance(topology, NodeTopology):

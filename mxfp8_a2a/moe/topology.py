@@ -125,22 +125,26 @@ def _ranks_per_node(group, world, ranks_per_node, mesh) -> tuple[str | None, int
     return None, ranks_per_node
 
 
-SHARED_MAX = 16  # groups whose torchrun topology is kept (each holds two process groups)
-_shared: dict[object, NodeTopology] = {}
+SHARED_MAX = 16  # topologies kept for the layers and dispatchers (each holds two groups)
+_shared: dict[tuple, NodeTopology] = {}
 
 
-def torchrun_topology(group: dist.ProcessGroup | None) -> NodeTopology | None:
-    """The NodeTopology of ``group`` from torchrun's LOCAL_WORLD_SIZE when the group's ranks
-    lie on several nodes (built once per group, at most SHARED_MAX kept; free them with
-    ``_shared.clear()`` after destroying the groups), else None without any collective."""
-    local = os.environ.get("LOCAL_WORLD_SIZE")
-    ranks = dist.get_process_group_ranks(group) if group is not None else None
-    ranks = ranks or range(dist.get_world_size())
-    if local is None or len({r // int(local) for r in ranks}) < 2:
-        return None
-    key = group if group is not None else "world"
+def shared_topology(
+    group: dist.ProcessGroup | None, ranks_per_node: int | None = None
+) -> NodeTopology | None:
+    """One NodeTopology per (group, ranks_per_node), kept for every layer that asks (at most
+    SHARED_MAX; ``_shared.clear()`` forgets them). ranks_per_node None: torchrun's nodes
+    (LOCAL_WORLD_SIZE), and None without any collective where the group's ranks lie on one
+    node. Every rank of the group must call it alike (it may build a NodeTopology)."""
+    if ranks_per_node is None:
+        local = os.environ.get("LOCAL_WORLD_SIZE")
+        ranks = dist.get_process_group_ranks(group) if group is not None else None
+        ranks = ranks or range(dist.get_world_size())
+        if local is None or len({r // int(local) for r in ranks}) < 2:
+            return None
+    key = (group if group is not None else "world", ranks_per_node)
     if key not in _shared:
         if len(_shared) >= SHARED_MAX:
             _shared.pop(next(iter(_shared)))
-        _shared[key] = NodeTopology(group)
+        _shared[key] = NodeTopology(group, ranks_per_node)
     return _shared[key]
