@@ -14,7 +14,6 @@ from helpers import KERNEL_DEVICES, fresh_generator, random_blocks, with_special
 from mxfp8_a2a import _config
 from mxfp8_a2a.exchange.rows import wire_row
 from mxfp8_a2a.moe import row_kernels as sk
-from mxfp8_a2a.moe import row_kernels_backward as skb
 from mxfp8_a2a.moe import rows as sr
 
 DTYPES = [torch.bfloat16, torch.float32]
@@ -233,10 +232,11 @@ def test_empty_sizes(device, wire):
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_which_path(device, monkeypatch):
-    """bf16 / fp32 rows take the kernels, fp16 rows (and int32 indices) the references."""
+    """bf16 / fp32 rows take the ops (the kernels where they run, else the references in
+    the op), fp16 rows (and int32 indices) the references outside any op."""
     taken = []
     names = ("scatter_encode", "gather_encode", "gather_decode", "slot_sum_decode")
-    for mod, name in [(sr, n) for n in names] + [(skb, "slot_sum_decode_backward")]:
+    for mod, name in [(sr, n) for n in (*names, "slot_sum_decode_backward")]:
         fn = getattr(mod, f"{name}_op")  # the custom ops (eager calls take them too)
         monkeypatch.setattr(
             mod, f"{name}_op", lambda *a, _f=fn, _n=name: taken.append(_n) or _f(*a)
@@ -274,7 +274,7 @@ def test_ops_pass_opcheck(device, wire):
         (sr.gather_decode_op, (buf, idx, h, torch.float32, wire)),
         (sr.slot_sum_decode_op, (buf, rows_of, w, h, torch.bfloat16, wire)),
         (sr.slot_sum_decode_op, (buf, rows_of, None, h, torch.bfloat16, wire)),
-        (skb.slot_sum_decode_backward_op, (x, buf, rows_of, w, t * k, wire, "rceil", wire)),
+        (sr.slot_sum_decode_backward_op, (x, buf, rows_of, w, t * k, wire, "rceil", wire)),
     ):
         torch.library.opcheck(op, args)
 

@@ -144,14 +144,3 @@ def slot_sum_decode_backward_into(
            _config.STATIC_ROWS_NUM_WARPS, enable_fp_fusion=False)  # fmt: skip
     # (a sum over the column blocks, not atomics: the same bits in every run)
     return part.sum(-1).masked_fill_(rows_of < 0, 0)
-
-
-slot_sum_decode_backward_op = torch.library.custom_op(
-    "mxfp8_a2a::moe_slot_sum_decode_backward", slot_sum_decode_backward, mutates_args=()
-)
-
-
-@slot_sum_decode_backward_op.register_fake
-def _(grad, buf, rows_of, weights, n_rows, wire, scaling_mode, buf_wire):
-    shape, dtype = wire_shape(n_rows, grad.shape[1], grad.dtype, wire)
-    return grad.new_empty(shape, dtype=dtype), grad.new_empty(rows_of.shape, dtype=torch.float32)

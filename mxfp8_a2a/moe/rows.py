@@ -25,7 +25,10 @@ references.
 
 from __future__ import annotations
 
+import functools
+
 import torch
+from torch import Tensor  # noqa: F401 (the launchers' annotations, read by the ops' schemas)
 
 from .._common import check_scaling_mode, kernels_run_on
 from ..exchange.rows import wire_row
@@ -155,18 +158,38 @@ def slot_sum_decode_backward_reference(
 
 
 # ---------------------------------------------------------------------------- custom ops
-# row_kernels.py's launchers as ops (register_fake for torch.compile; no autograd:
-# dispatch_static.py's Functions call them in forward and backward).
+# One op per row operation (register_fake for torch.compile; no autograd: engine.py's
+# Functions call them in forward and backward). Each runs row_kernels.py's launcher where the
+# kernels run (CUDA; CPU under TRITON_INTERPRET=1), else its plain-torch reference: compiled
+# code sees one opaque op either way (Dynamo does not trace the references' bit casts).
 
 
-def _op(name: str, fn):
-    return torch.library.custom_op(f"mxfp8_a2a::moe_{name}", fn, mutates_args=())
+def _op(name: str, kernel, reference=None):
+    if reference is None:  # (kernels only: push.py's ops)
+        return torch.library.custom_op(f"mxfp8_a2a::moe_{name}", kernel, mutates_args=())
+
+    @functools.wraps(kernel)
+    def run(*args):
+        if kernels_run_on(args[0].device, sk._gather_decode_kernel):
+            return kernel(*args)
+        return reference(*args)
+
+    return torch.library.custom_op(f"mxfp8_a2a::moe_{name}", run, mutates_args=())
 
 
-scatter_encode_op = _op("scatter_encode", sk.scatter_encode)
-gather_encode_op = _op("gather_encode", sk.gather_encode)
-gather_decode_op = _op("gather_decode", sk.gather_decode)
-slot_sum_decode_op = _op("slot_sum_decode", sk.slot_sum_decode)
+scatter_encode_op = _op("scatter_encode", sk.scatter_encode, scatter_encode_reference)
+gather_encode_op = _op("gather_encode", sk.gather_encode, gather_encode_reference)
+gather_decode_op = _op("gather_decode", sk.gather_decode, gather_decode_reference)
+slot_sum_decode_op = _op("slot_sum_decode", sk.slot_sum_decode, slot_sum_decode_reference)
+slot_sum_decode_backward_op = _op(
+    "slot_sum_decode_backward", skb.slot_sum_decode_backward, slot_sum_decode_backward_reference
+)
+
+
+@slot_sum_decode_backward_op.register_fake
+def _(grad, buf, rows_of, weights, n_rows, wire, scaling_mode, buf_wire):
+    shape, dtype = wire_shape(n_rows, grad.shape[1], grad.dtype, wire)
+    return grad.new_empty(shape, dtype=dtype), grad.new_empty(rows_of.shape, dtype=torch.float32)
 
 
 @scatter_encode_op.register_fake
@@ -198,12 +221,12 @@ def _(buf, rows_of, weights, hidden, dtype, wire):
 
 
 def _kernels(device: torch.device, dtype: torch.dtype, wire: str, hidden: int, *idx) -> bool:
+    """Whether the ops take these arguments (they run the kernels where those run)."""
     return (
         dtype in sk.DTYPES
         and wire in WIRES
         and (wire == "bf16" or hidden % 32 == 0)
         and all(i.dtype == torch.int64 and i.device == device for i in idx)
-        and kernels_run_on(device, sk._gather_decode_kernel)
     )
 
 
@@ -308,7 +331,7 @@ def slot_sum_decode_backward(
         and _decodes(buf, grad.dtype, buf_wire, grad.shape[1], rows_of)
         and _kernels(grad.device, grad.dtype, wire, grad.shape[1], rows_of)
     ):
-        return skb.slot_sum_decode_backward_op(
+        return slot_sum_decode_backward_op(
             grad, buf, rows_of, weights, n_rows, wire, scaling_mode, buf_wire
         )
     return slot_sum_decode_backward_reference(
