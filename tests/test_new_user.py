@@ -174,13 +174,14 @@ def test_static_path_compiles_with_dynamic_shapes_and_grad(group_of_one, layer):
     plain-torch paths inside the ops): the eager results (Dynamo once failed inside the
     quantize reference's bit cast)."""
     torch.manual_seed(0)
+    ids, w = torch.randint(0, 2, (10, 2)), torch.rand(10, 2)
+
+    def f(x):
+        ex, _, handle = mx.dispatch_static(x, ids, 2, 12, exchange="mxfp8")
+        return mx.combine_static(ex * 2, w, handle)
+
     if layer:
         f = mx.ExpertParallelMoE(64, 32, 2, 2, capacity=12, exchange="mxfp8")
-    else:
-
-        def f(x, ids=torch.randint(0, 2, (10, 2)), w=torch.rand(10, 2)):
-            ex, _, handle = mx.dispatch_static(x, ids, 2, 12, exchange="mxfp8")
-            return mx.combine_static(ex * 2, w, handle)
 
     x = torch.randn(10, 64, requires_grad=True)
     want = f(x)
