@@ -216,3 +216,36 @@ def bad_topology_fails_everywhere(rank, world, backend):
     else:
         raise AssertionError("no error")
     dist.barrier()
+
+
+def topology_sources_agree(rank, world, backend):
+    """The three ways to describe 2 nodes of 2 ranks build the same topology, and route alike:
+    ranks_per_node, a 2-D DeviceMesh, torchrun's LOCAL_WORLD_SIZE (also the layer's "auto",
+    one topology shared per group)."""
+    import os
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from mxfp8_a2a.moe import topology as tp
+
+    explicit = mx.NodeTopology(None, 2)
+    meshed = mx.NodeTopology(None, mesh=init_device_mesh("cpu", (2, 2)))
+    assert mx.NodeTopology(None).spans_nodes is False  # no LOCAL_WORLD_SIZE: one node
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    try:
+        auto = tp.shared_topology(None)
+        layer = mx.ExpertParallelMoE(64, 32, 8, 2, seed=1)
+        assert layer.topology is auto and tp.shared_topology(None) is auto
+        assert mx.ExpertParallelMoE(64, 32, 8, 2, seed=1, capacity=8).topology is None
+    finally:
+        del os.environ["LOCAL_WORLD_SIZE"]
+        tp._shared.clear()
+    x, ids, _, _ = node_inputs(rank, 5, 7, 3, 8)
+    outs = []
+    for topo in (explicit, meshed, auto):
+        assert (topo.nodes, topo.ranks_per_node, topo.node, topo.local) == (2, 2, *divmod(rank, 2))
+        ex, _, handle = mx.dispatch(x, ids, 8, topology=topo)
+        outs.append((ex, mx.combine(ex, torch.ones(ids.shape), handle)))
+    for ex, out in outs[1:]:
+        assert torch.equal(ex, outs[0][0]) and torch.equal(out, outs[0][1])
+    dist.barrier()

@@ -13,6 +13,7 @@ from node_workers import (
     bytes_match_routing,
     layer_takes_the_route,
     route_matches_model,
+    topology_sources_agree,
 )
 
 EXCHANGES = ["mxfp8", "bf16", "mxfp8_to_experts", ("bf16", "mxfp8", "mxfp8", "bf16")]
@@ -48,3 +49,7 @@ def test_layer_under_ddp_and_dcp(tmp_path):
 
 def test_bad_topology_fails_on_every_rank():
     run_distributed(bad_topology_fails_everywhere, 4, "gloo", timeout=300)
+
+
+def test_topology_from_ranks_per_node_mesh_or_torchrun():
+    run_distributed(topology_sources_agree, 4, "gloo", timeout=300)
