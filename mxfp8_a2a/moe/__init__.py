@@ -8,7 +8,8 @@ Files, from the user's call down:
   sync), arguments.py (the checks both share), agree.py (the static path's
   once-per-configuration cross-rank check);
 - plan.py (+ plan_kernels.py): where every (token, slot) row goes, in the fixed-slot or the
-  packed layout;
+  packed layout; node_plan.py: the node-aware route's two hops (and sent_bytes), over the
+  sub-groups of topology.py's NodeTopology;
 - engine.py: the autograd Functions that move the rows, one for both front ends, and how a
   buffer travels (all_to_all_single, a PushBuffer, an MXFP8 Transport);
 - rows.py (+ row_kernels.py, row_kernels_backward.py): the row operations and their

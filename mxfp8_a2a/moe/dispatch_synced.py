@@ -16,7 +16,10 @@ same ValueError on every rank before any exchange (only then a second collective
 the messages). With more local experts than that, the counts follow in a second all-to-all
 (and host sync), once the ranks are known to agree. The splits come from the counts, so
 they agree across ranks by construction. ``combine`` has no host sync and no collective
-besides its exchange.
+besides its exchange. With a NodeTopology spanning nodes (``topology=``), the rows take two
+hops (node_plan.py) after a second small all-to-all over the rail and host sync for the
+hops' splits, and one all-to-all of the expert ids; combine adds one exchange of the slot
+weights (4 bytes a row) to the experts' ranks.
 
 The rows move through the same engine as dispatch_static's (engine.py), on the plan's
 packed layout (plan.py: capacity=None): the counts read on the host give exact buffers and
