@@ -179,15 +179,24 @@ class MXFP8TokenDispatcher(AllToAllTokenDispatcher):
     description="mxfp8_a2a: MXFP8 rows on the expert-parallel wire (a preset per leg)",
 )
 def mxfp8_dispatch(
-    cfg: AllToAllTokenDispatcher.Config, *, wire: str = DEFAULT_WIRE
+    cfg: AllToAllTokenDispatcher.Config,
+    *,
+    wire: str = DEFAULT_WIRE,
+    ranks_per_node: int | None = None,
 ) -> MXFP8TokenDispatcher.Config:
     """torchtitan override factory: every ``AllToAllTokenDispatcher.Config`` (exactly that
     class: torchtitan's other dispatchers are left alone) becomes an
-    :class:`MXFP8TokenDispatcher.Config` with the same fields and ``wire``. Activate with
+    :class:`MXFP8TokenDispatcher.Config` with the same fields, ``wire`` and
+    ``ranks_per_node``. Activate with
     ``--override.imports 'mxfp8_a2a.torchtitan.mxfp8_dispatch={"wire": "mxfp8_to_experts"}'``."""
     if (problem := _wire_error(wire)) is not None:
         raise ValueError(f"mxfp8_a2a.torchtitan.mxfp8_dispatch: {problem}")
-    return derive(cfg, MXFP8TokenDispatcher.Config, wire=wire)
+    if ranks_per_node is not None and (type(ranks_per_node) is not int or ranks_per_node < 1):
+        raise ValueError(
+            f"mxfp8_a2a.torchtitan.mxfp8_dispatch: ranks_per_node must be a positive int or "
+            f"None (torchrun's nodes), got {ranks_per_node!r}"
+        )
+    return derive(cfg, MXFP8TokenDispatcher.Config, wire=wire, ranks_per_node=ranks_per_node)
 
 
 class MXFP8StaticTokenDispatcher(MXFP8TokenDispatcher):

@@ -82,6 +82,9 @@ def test_override_factory_checks_the_wire():
     new = mxfp8_dispatch(cfg)
     assert type(new) is MXFP8TokenDispatcher.Config
     assert (new.num_experts, new.top_k, new.wire) == (8, 2, "mxfp8")
+    assert mxfp8_dispatch(cfg, ranks_per_node=8).ranks_per_node == 8
+    with pytest.raises(ValueError, match="ranks_per_node must be a positive int"):
+        mxfp8_dispatch(cfg, ranks_per_node=0)
     assert isinstance(new.build(), AllToAllTokenDispatcher)
     with pytest.raises(ValueError, match="wire must be one of"):
         mxfp8_dispatch(cfg, wire="fp8")
