@@ -69,8 +69,8 @@ def model(args) -> list[dict]:
             per = rows_per_token(ids, 0, args.experts, ranks, args.per_node)
             for route in ("flat", "node"):
                 within, between = (v / args.tokens for v in per[route])
-                row = {"nodes": nodes, "max_nodes": limit or "-", "route": route,
-                       "rows_between": round(between, 3), "rows_within": round(within, 3)}  # fmt: skip
+                row = {"nodes": nodes, "max_nodes": limit or "-", "route": route}
+                row |= {"rows_between": round(between, 3), "rows_within": round(within, 3)}
                 for preset in PRESETS:
                     wires = layer_wires(preset)
                     size = {"mxfp8": wire_row(args.hidden), "bf16": 2 * args.hidden}
@@ -105,8 +105,8 @@ def check(args) -> dict:
             mx.combine(ex, torch.rand(tokens, top_k), handle).sum().backward()
             got = mx.sent_bytes(handle, topo)
             for leg, wire in zip(LEGS, wires, strict=True):
-                pair = torch.tensor([got[leg]["within"], got[leg]["between"],
-                                     per[route][0] * size[wire], per[route][1] * size[wire]])  # fmt: skip
+                want = [per[route][0] * size[wire], per[route][1] * size[wire]]
+                pair = torch.tensor([got[leg]["within"], got[leg]["between"], *want])
                 dist.all_reduce(pair)
                 pair = pair.tolist()
                 if pair[:2] != pair[2:]:
