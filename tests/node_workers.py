@@ -207,6 +207,14 @@ def bad_topology_fails_everywhere(rank, world, backend):
         assert "rank(s) [0]" in str(e) and "ranks_per_node must be a positive int" in str(e), e
     else:
         raise AssertionError("no error")
+    from torch.distributed.device_mesh import DeviceMesh
+
+    try:  # a mesh whose rows are not the group's ranks in order
+        mx.NodeTopology(None, mesh=DeviceMesh("cpu", [[0, 2], [1, 3]]))
+    except ValueError as e:
+        assert "mesh's ranks [0, 2, 1, 3] (row-major) must be the group's ranks" in str(e), e
+    else:
+        raise AssertionError("no error")
     topo = mx.NodeTopology(None, 2)  # one rank passes none: dispatch tells every rank
     x, ids = torch.randn(4, 64), torch.randint(0, 8, (4, 2))
     try:
@@ -248,4 +256,20 @@ def topology_sources_agree(rank, world, backend):
         outs.append((ex, mx.combine(ex, torch.ones(ids.shape), handle)))
     for ex, out in outs[1:]:
         assert torch.equal(ex, outs[0][0]) and torch.equal(out, outs[0][1])
+    dist.barrier()
+
+
+def weights_grad_on_some_ranks(rank, world, backend):
+    """Weights that require grad on some ranks only: combine's backward runs the same
+    collectives everywhere (no hang) and x's gradient is the one of weights with grad."""
+    topo = mx.NodeTopology(None, 2)
+    x, ids, w, grad = node_inputs(rank, 11, 6, 3, 8)
+    grads = []
+    for with_grad in (True, rank != 0):
+        xi = x.clone().requires_grad_(True)
+        ex, _, handle = mx.dispatch(xi, ids, 8, topology=topo)
+        out = mx.combine(ex * FACTOR, w.clone().requires_grad_(with_grad), handle)
+        (out.float() * grad.float()).sum().backward()
+        grads.append(xi.grad)
+    assert torch.equal(*grads)
     dist.barrier()

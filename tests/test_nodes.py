@@ -14,6 +14,7 @@ from node_workers import (
     layer_takes_the_route,
     route_matches_model,
     topology_sources_agree,
+    weights_grad_on_some_ranks,
 )
 
 EXCHANGES = ["mxfp8", "bf16", "mxfp8_to_experts", ("bf16", "mxfp8", "mxfp8", "bf16")]
@@ -53,3 +54,7 @@ def test_bad_topology_fails_on_every_rank():
 
 def test_topology_from_ranks_per_node_mesh_or_torchrun():
     run_distributed(topology_sources_agree, 4, "gloo", timeout=300)
+
+
+def test_weights_without_grad_on_one_rank_do_not_hang():
+    run_distributed(weights_grad_on_some_ranks, 4, "gloo", timeout=120)

@@ -46,7 +46,7 @@ from .arguments import argument_error, check_owner, mark_output, mxfp8_rows_erro
 from .engine import NodeStages, Route, SlotPlan, all_to_all, combine_rows, dispatch_rows
 from .node_plan import expert_order, forward_plan, remap, source_ids, source_plan
 from .plan import receive_plan, send_plan
-from .topology import NodeTopology
+from .topology import NodeTopology, same_group
 
 COMPILE_ERROR = (
     "the host-synced dispatch (mxfp8_a2a.dispatch, ExpertParallelMoE without max_tokens) reads "
@@ -66,7 +66,9 @@ class DispatchHandle:
     to / received from each rank. expert_offsets: int32 [L], end offset of each local
     expert's rows in dispatch's output (what grouped GEMMs take). hidden: for the checks.
     exchange: combine's default (forward, backward) wires; transport: how MXFP8 rows move.
-    nodes, topology: the node-aware route's hops and nodes (None: flat); dispatch_wires,
+    nodes, topology: the node-aware route's hops and nodes (None: flat; then rows_of,
+    src_row and out_row are the hops' maps: stage-1 send rows, stage-2 receive rows);
+    dispatch_wires,
     dtype: dispatch's (forward, backward) wires and x's dtype (for sent_bytes).
     dispatch_id: which dispatch (see :func:`mark_output`). functional: the exchanges as
     torch's functional all_to_all_single (see engine.Route).
@@ -134,19 +136,23 @@ def dispatch(
         transport: of the MXFP8 exchanges, "nccl" (default) or a Transport object (see
             :func:`mxfp8_a2a.to_mxfp8_a2a_dequant`).
         topology: a NodeTopology of ``group`` spanning nodes: the node-aware route (each
-            token sent once per node it reaches, forwarded within the node; combine sums
-            within the node first; moe/node_plan.py), with one more small all-to-all and
-            host sync. expert_x is the flat path's, bit for bit. None or one node: flat.
+            token sent once per node it reaches, forwarded within the node; combine weights
+            the rows at the experts and sums within the node first; moe/node_plan.py). It
+            adds a counts all-to-all over the rail and its host sync, an all-to-all of the
+            expert ids, a second hop per row exchange, and combine's exchange of the slot
+            weights (forward and backward). expert_x is the flat path's, bit for bit;
+            combine rounds once more per node. None or one node: flat.
     Returns:
         expert_x: [N, H] rows received, grouped by local expert (expert 0 first), within an
             expert by source rank; tokens_per_expert: list of L ints, rows per local expert
             (read in the same host sync as the splits); handle for :func:`combine`
             (handle.expert_offsets holds the same counts as int32 end offsets on x's device).
     Bad arguments on any rank (shapes, types, ids out of range) and ranks that disagree
-    (num_experts, hidden size, dtype, exchange, transport, x.requires_grad) raise the same
-    ValueError on every rank, naming the rank and the argument; the group stays usable.
-    Every rank must call it. One counts all-to-all and one host sync (two of each past
-    DISPATCH_INLINE_COUNTS local experts), then the exchange.
+    (num_experts, hidden size, dtype, exchange, transport, topology, x.requires_grad) raise
+    the same ValueError on every rank, naming the rank and the argument; the group stays
+    usable. Every rank must call it. One counts all-to-all and one host sync (two of each
+    past DISPATCH_INLINE_COUNTS local experts; one more of each with a topology), then the
+    exchange.
     """
     return dispatch_reporting(
         x, topk_ids, num_experts, group, exchange, transport, None, topology=topology
@@ -251,7 +257,7 @@ def _topology_error(topology, group, transport) -> str | None:
         return None
     if not isinstance(topology, NodeTopology):
         return f"topology must be a NodeTopology or None, got {type(topology).__name__}"
-    if topology.group is not group:
+    if not same_group(topology.group, group):
         return "topology must be built on dispatch's group (NodeTopology(group, ...))"
     if topology.spans_nodes and transport is not NCCL:
         return "the node-aware route (topology) moves rows with all_to_all_single: transport='nccl'"

@@ -172,8 +172,6 @@ class _Combine(torch.autograd.Function):
             buf = rows_ops.gather_encode(y.contiguous(), out_row, carried, mode)
             back = route.move(buf, True, wire, mode, (y.shape[1], y.dtype))
             out = rows_ops.slot_sum_decode(back, rows_of, weights, y.shape[1], y.dtype, carried)
-        if weights is None:  # (the backward needs no rows: each slot's weight is 1)
-            back = None
         ctx.save_for_backward(back, rows_of, src_row, weights)
         return out
 
@@ -186,22 +184,46 @@ class _Combine(torch.autograd.Function):
                 grad.contiguous(), back, rows_of, weights, src_row, push.key, route.capacity,
                 kept, wire, mode,
             )  # fmt: skip
-        elif weights is None:
-            carried = route.carried(wire)
-            buf = rows_ops.scatter_encode(grad.contiguous(), rows_of, route.send_rows(), carried,
-                                          mode)  # fmt: skip
-            grad_w = None
         else:  # (``back`` holds the forward's rows, on its carried wire)
             carried = route.carried(wire)
             buf, grad_w = rows_ops.slot_sum_decode_backward(
                 grad.contiguous(), back, rows_of, weights, back.shape[0], carried, mode,
                 route.carried(kept),
             )  # fmt: skip
-            grad_w = grad_w.to(weights.dtype)
-        if push is None:
             buf = route.move(buf, False, wire, mode, (hidden, dtype))
             grad_y = rows_ops.gather_decode(buf, src_row, hidden, dtype, carried)
-        return grad_y, grad_w, None, None, None, None, None, None
+        return grad_y, grad_w.to(weights.dtype), None, None, None, None, None, None
+
+
+class _CombineAtExperts(torch.autograd.Function):
+    """combine on a node-aware route (route.nodes): each row weighted where its expert is,
+    z = (w rounded to y's dtype) * y in fp32, rounded to y's dtype; the hops sum the rows
+    (NodeStages.move) into [T, H]. The slot weights reach the experts' rows in fp32 over the
+    flat plan (SlotPlan), and their gradient, the fp32 dot product of each row's decoded
+    gradient with y, goes back the same way in every backward (a collective every rank
+    runs, whether its weights require grad or not)."""
+
+    @staticmethod
+    def forward(ctx, y, weights, rows_of, src_row, out_row, route, wires, mode):
+        hidden, dtype, wire = y.shape[1], y.dtype, wires[0]
+        w = route.nodes.slots.to_rows(weights.float()).to(dtype).float()
+        z = (w[:, None] * y.float()).to(dtype)
+        buf = rows_ops.gather_encode(z, out_row, wire, mode)
+        back = route.move(buf, True, wire, mode, (hidden, dtype))
+        ctx.args = (weights.shape, weights.dtype, route, wires[1], mode)
+        ctx.save_for_backward(y, w, rows_of, src_row)
+        return rows_ops.slot_sum_decode(back, rows_of, None, hidden, dtype, wire)
+
+    @staticmethod
+    def backward(ctx, grad):
+        y, w, rows_of, src_row = ctx.saved_tensors
+        shape, w_dtype, route, wire, mode = ctx.args
+        buf = rows_ops.scatter_encode(grad.contiguous(), rows_of, route.send_rows(), wire, mode)
+        buf = route.move(buf, False, wire, mode, (y.shape[1], y.dtype))
+        gz = rows_ops.gather_decode(buf, src_row, y.shape[1], y.dtype, wire).float()
+        grad_y = (w[:, None] * gz).to(y.dtype)
+        grad_w = route.nodes.slots.to_slots((gz * y.float()).sum(1)).view(shape)
+        return grad_y, grad_w.to(w_dtype), None, None, None, None, None, None
 
 
 def dispatch_rows(
@@ -235,15 +257,10 @@ def combine_rows(
     j sent of weights[t, j] * y(row of (t, j)), weights [T, k] rounded to y's dtype, fp32
     sums over j in order. Differentiable in y and weights.
 
-    A node-aware route (route.nodes) weights the rows where the experts are: each slot's
-    weight travels there in fp32 (the flat path's rows, one value each), and the row sent
-    back is (weight rounded to y's dtype) * y in fp32, rounded to y's dtype; the hops then
-    sum them (NodeStages.move)."""
+    A node-aware route (route.nodes) weights the rows where the experts are instead
+    (:class:`_CombineAtExperts`)."""
     if route.nodes is not None:
-        w = _SlotValues.apply(weights.float(), route.nodes.slots)
-        w = w + (w.to(y.dtype).float() - w).detach()  # y's dtype's value, an fp32 gradient
-        y = (w[:, None] * y.float()).to(y.dtype)
-        weights = None
+        return _CombineAtExperts.apply(y, weights, rows_of, src_row, out_row, route, wires, mode)
     return _Combine.apply(y, weights, rows_of, src_row, out_row, route, wires, mode)
 
 
@@ -259,26 +276,20 @@ class SlotPlan:
     group: dist.ProcessGroup | None
     functional: bool = False
 
+    def to_rows(self, values: torch.Tensor) -> torch.Tensor:
+        """values [T, k] -> [N]: each expert row's (token, slot) value, exchanged exactly
+        (zeros for padding rows)."""
+        sent, received = self.splits
+        buf = _scatter_rows(values.reshape(-1), self.rows_of.reshape(-1), sum(sent))
+        got = all_to_all(buf, received, sent, self.group, self.functional)
+        return _take_values(got, self.src_row)
 
-class _SlotValues(torch.autograd.Function):
-    """values [T, k] fp32 -> [N] fp32: each expert row's (token, slot) value, exchanged
-    exactly over the flat plan (zeros for padding rows). Differentiable in the values."""
-
-    @staticmethod
-    def forward(ctx, values, plan: SlotPlan):
-        ctx.plan, ctx.shape = plan, values.shape
-        sent, received = plan.splits
-        buf = _scatter_rows(values.reshape(-1), plan.rows_of.reshape(-1), sum(sent))
-        got = all_to_all(buf, received, sent, plan.group, plan.functional)
-        return _take_values(got, plan.src_row)
-
-    @staticmethod
-    def backward(ctx, grad):
-        plan = ctx.plan
-        sent, received = plan.splits
-        buf = _take_values(grad.contiguous(), plan.out_row)
-        back = all_to_all(buf, sent, received, plan.group, plan.functional)
-        return _take_values(back, plan.rows_of.reshape(-1)).view(ctx.shape), None
+    def to_slots(self, rows: torch.Tensor) -> torch.Tensor:
+        """The reverse: rows [N] -> [T * k], each (token, slot)'s row's value."""
+        sent, received = self.splits
+        buf = _take_values(rows.contiguous(), self.out_row)
+        back = all_to_all(buf, sent, received, self.group, self.functional)
+        return _take_values(back, self.rows_of.reshape(-1))
 
 
 def _take_values(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

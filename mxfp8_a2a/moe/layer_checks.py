@@ -31,7 +31,7 @@ from ..exchange.wires import layer_wires
 from ..grouped.gemm import PRECISIONS
 from .agree import capturing
 from .dispatch_static import capacity_for
-from .topology import NodeTopology, shared_topology
+from .topology import NodeTopology, same_group, shared_topology
 
 WHAT = "ExpertParallelMoE"
 _DDP_FIX = (
@@ -114,7 +114,7 @@ def layer_topology(topology, group, static: bool) -> NodeTopology | None:
         return None
     if not isinstance(topology, NodeTopology):
         raise ValueError(f"topology must be a NodeTopology, 'auto' or None, got {topology!r}")
-    if topology.group is not group:
+    if not same_group(topology.group, group):
         raise ValueError("topology must be built on the layer's group: NodeTopology(group, ...)")
     if static and topology.spans_nodes:
         raise ValueError(

@@ -105,8 +105,8 @@ def sent_bytes(handle, topology=None) -> dict[str, dict[str, int]]:
     nodes}} for the legs in LEGS, and "metadata": the node-aware route's expert ids (4 bytes
     each) and the slot weights and their gradients (4 bytes each). Read from the plan on the
     host: no sync, no collective. A row is wire_row(H) bytes on an MXFP8 leg, H * x's
-    element size on a "bf16" one; what a rank keeps counts nowhere, nor the counts' small
-    fixed-size messages.
+    element size on a "bf16" one (combine's rows in another dtype: scale those legs by hand);
+    what a rank keeps counts nowhere, nor the counts' small fixed-size messages.
 
     handle: from :func:`mxfp8_a2a.dispatch` (its wires and combine's default ones);
     topology: which ranks share a node, for a flat handle (default: one node)."""

@@ -61,12 +61,7 @@ class NodeTopology:
         if mesh is not None:
             self.rail, self.node_group = mesh.get_group(0), mesh.get_group(1)
             return
-        ranks = dist.get_process_group_ranks(group) if group is not None else range(world)
-        ranks = list(ranks)
-        rail = [ranks[n * g + self.local] for n in range(self.nodes)]
-        node = ranks[self.node * g : (self.node + 1) * g]
-        self.rail = dist.new_group(rail, use_local_synchronization=True)
-        self.node_group = dist.new_group(node, use_local_synchronization=True)
+        self.rail, self.node_group = _sub_groups(group, g, self.node, self.local)
 
     @property
     def spans_nodes(self) -> bool:
@@ -84,6 +79,31 @@ class NodeTopology:
         return f"{self.nodes}x{self.ranks_per_node}"
 
 
+def same_group(a: dist.ProcessGroup | None, b: dist.ProcessGroup | None) -> bool:
+    """Whether two groups (None: the world) hold the same ranks in the same order."""
+    if a is b:
+        return True
+    ranks = [dist.get_process_group_ranks(x or dist.group.WORLD) for x in (a, b)]
+    return ranks[0] == ranks[1]
+
+
+def _sub_groups(group, g: int, node: int, local: int):
+    """(this rank's rail, its node group), on the group's backend. For the whole world every
+    rank makes every sub-group, in one order (what new_group asks of the world's ranks);
+    for a smaller group only its ranks make theirs (use_local_synchronization), so every
+    rank of the group must build its NodeTopologies in the same order as the others."""
+    ranks = list(dist.get_process_group_ranks(group)) if group is not None else None
+    ranks = ranks or list(range(dist.get_world_size()))
+    nodes, backend = len(ranks) // g, dist.get_backend(group)
+    rails = [[ranks[n * g + i] for n in range(nodes)] for i in range(g)]
+    blocks = [ranks[n * g : (n + 1) * g] for n in range(nodes)]
+    if len(ranks) == dist.get_world_size():
+        made = [dist.new_group(r, backend=backend) for r in rails + blocks]
+        return made[local], made[g + node]
+    sync = {"backend": backend, "use_local_synchronization": True}
+    return dist.new_group(rails[local], **sync), dist.new_group(blocks[node], **sync)
+
+
 def _ranks_per_node(group, world, ranks_per_node, mesh) -> tuple[str | None, int]:
     """(this rank's problem or None, G)."""
     if mesh is not None:
@@ -92,8 +112,8 @@ def _ranks_per_node(group, world, ranks_per_node, mesh) -> tuple[str | None, int
         if mesh.ndim != 2:
             return f"mesh must be 2-D (nodes, ranks per node), got {mesh.ndim}-D", 1
         flat = mesh.mesh.flatten().tolist()
-        ranks = list(dist.get_process_group_ranks(group)) if group is not None else flat
-        if group is None and mesh.size() != world or flat != ranks:
+        ranks = dist.get_process_group_ranks(group) if group is not None else range(world)
+        if flat != list(ranks):
             return (
                 f"mesh's ranks {flat} (row-major) must be the group's ranks {ranks}; pass the "
                 "expert-parallel group the mesh covers",
@@ -105,17 +125,19 @@ def _ranks_per_node(group, world, ranks_per_node, mesh) -> tuple[str | None, int
         if local is None:
             return None, world
         ranks = dist.get_process_group_ranks(group) if group is not None else range(world)
-        nodes = [r // int(local) for r in ranks]
-        ranks_per_node = nodes.count(nodes[0])
+        hosts = [r // int(local) for r in ranks]
+        index = {h: i for i, h in enumerate(dict.fromkeys(hosts))}  # (nodes in group order)
+        nodes = [index[h] for h in hosts]
+        ranks_per_node = nodes.count(0)
         expected = [i // ranks_per_node for i in range(world)]
-        if [n - nodes[0] for n in nodes] != expected and len(set(nodes)) > 1:
+        if nodes != expected and len(index) > 1:
             return (
-                f"the group's ranks lie on nodes {nodes} (global rank // LOCAL_WORLD_SIZE="
+                f"the group's ranks lie on nodes {hosts} (global rank // LOCAL_WORLD_SIZE="
                 f"{local}): each node must hold the same number of consecutive group ranks; "
                 "pass ranks_per_node or a mesh",
                 1,
             )
-        return None, ranks_per_node if len(set(nodes)) > 1 else world
+        return None, ranks_per_node if len(index) > 1 else world
     if type(ranks_per_node) is not int or ranks_per_node < 1 or world % ranks_per_node:
         return (
             f"ranks_per_node must be a positive int dividing the group's size {world}, got "
