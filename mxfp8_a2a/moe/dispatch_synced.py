@@ -100,7 +100,7 @@ class DispatchHandle:
                      nodes=self.nodes)  # fmt: skip
 
 
-def _terms(x: torch.Tensor, num_experts: int, exchange, transport: Transport, topology) -> str:
+def _terms(x: torch.Tensor, num_experts: int, exchange, transport: Transport, topology=None) -> str:
     """What the counts and the exchanges depend on (agreement.py's terms text)."""
     grad = torch.is_grad_enabled() and x.requires_grad
     terms = {"num_experts": num_experts, "x.shape[1]": x.shape[1], "x.dtype": x.dtype}
