@@ -12,20 +12,25 @@ node-aware, its bytes between nodes at --ib-gbs then its bytes within the node a
 --nvlink-gbs (the two hops run one after the other); flat, the larger of the two (one
 all-to-all carries both at once). Link speeds are the user's figures, not measurements.
 
-Without torchrun: the model's table. Under torchrun (gloo on CPU, e.g. ``torchrun
---nproc-per-node=4 benchmarks/bench_nodes.py --check 2``): also dispatch and combine of
-the real code at a small size on emulated nodes of --check ranks, whose sent_bytes, summed
-over the ranks, must equal the model's count for the same routing (the script fails if not).
+Without torchrun: the model's table. Under torchrun (gloo on CPU, NCCL on GPUs, e.g.
+``torchrun --nproc-per-node=4 benchmarks/bench_nodes.py --check 2``): also dispatch and
+combine of the real code at a small size on emulated nodes of --check ranks, whose
+sent_bytes, summed over the ranks, must equal the model's count for the same routing (the
+script fails if not); with --time, the time of dispatch + combine, forward and backward, flat
+against node-aware, per preset, at --tokens x --hidden with --experts (median of --iters, max
+over ranks). Nodes emulated inside one host cross NVLink, not a network: such times say what
+the two hops cost there, not what they save between real nodes.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import torch
 import torch.distributed as dist
-from common import Help, versions
+from common import Help, Timer, versions
 from tabulate import tabulate
 
 import mxfp8_a2a as mx
@@ -87,32 +92,56 @@ def model(args) -> list[dict]:
     return rows
 
 
-def check(args) -> dict:
+def check(args, device) -> dict:
     """The real code on emulated nodes: sent_bytes summed over ranks == the model's count."""
     rank, world = dist.get_rank(), dist.get_world_size()
     topo = mx.NodeTopology(None, args.check)
     experts, hidden, top_k, tokens = 4 * world, 64, min(args.top_k, 4 * world), 48
     nodes = world // args.check
-    ids = draw_ids(tokens, experts, top_k, nodes, None, args.seed + rank)
-    x = torch.randn(tokens, hidden).bfloat16()
+    ids = draw_ids(tokens, experts, top_k, nodes, None, args.seed + rank).to(device)
+    x = torch.randn(tokens, hidden, device=device).bfloat16()
     result = {}
     for preset in PRESETS:
         wires = layer_wires(preset)
         size = {"mxfp8": wire_row(hidden), "bf16": 2 * hidden}
-        per = rows_per_token(ids, rank, experts, world, args.check)
+        per = rows_per_token(ids.cpu(), rank, experts, world, args.check)
         for route, kw in (("flat", {}), ("node", {"topology": topo})):
             ex, _, handle = mx.dispatch(x.requires_grad_(), ids, experts, exchange=preset, **kw)
-            mx.combine(ex, torch.rand(tokens, top_k), handle).sum().backward()
+            mx.combine(ex, torch.rand(tokens, top_k, device=device), handle).sum().backward()
             got = mx.sent_bytes(handle, topo)
             for leg, wire in zip(LEGS, wires, strict=True):
                 want = [per[route][0] * size[wire], per[route][1] * size[wire]]
-                pair = torch.tensor([got[leg]["within"], got[leg]["between"], *want])
+                pair = torch.tensor([got[leg]["within"], got[leg]["between"], *want], device=device)
                 dist.all_reduce(pair)
                 pair = pair.tolist()
                 if pair[:2] != pair[2:]:
                     raise SystemExit(f"{route} {preset} {leg}: sent {pair[:2]}, model {pair[2:]}")
                 result[f"{route}/{preset}/{leg}"] = pair[:2]
     return result
+
+
+def time_routes(args, device) -> list[dict]:
+    """ms of dispatch + combine forward and backward per route and preset (Timer: barrier,
+    CUDA events, median, max over ranks)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    topo = mx.NodeTopology(None, args.check)
+    nodes = world // args.check
+    ids = draw_ids(args.tokens, args.experts, args.top_k, nodes, None, args.seed + rank)
+    ids, w = ids.to(device), torch.rand(args.tokens, args.top_k, device=device)
+    x = torch.randn(args.tokens, args.hidden, device=device, dtype=torch.bfloat16)
+    timer, rows = Timer(device, args.iters, args.warmup), []
+    for preset in PRESETS:
+        row = {"preset": preset}
+        for route, kw in (("flat", {}), ("node", {"topology": topo})):
+
+            def step(_, kw=kw, preset=preset):
+                xi = x.detach().requires_grad_()
+                ex, _, handle = mx.dispatch(xi, ids, args.experts, exchange=preset, **kw)
+                mx.combine(ex, w, handle).float().sum().backward()
+
+            row[f"{route}_ms"] = round(timer(step), 3)
+        rows.append(row)
+    return rows
 
 
 def main() -> None:
@@ -128,15 +157,24 @@ def main() -> None:
     p.add_argument("--nvlink-gbs", type=float, default=450.0, help="GB/s per GPU in a node")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--check", type=int, default=0, help="ranks per emulated node (torchrun)")
+    p.add_argument("--time", action="store_true", help="time flat vs node-aware (torchrun)")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args()
     distributed = args.check > 0
+    device = torch.device("cpu")
     if distributed:
-        dist.init_process_group("gloo")
+        if torch.cuda.is_available():
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rows = model(args)
     out = {"versions": versions(), "args": vars(args), "model": rows}
     if distributed:
-        out["check"] = check(args)
+        out["check"] = check(args, device)
+    if distributed and args.time:
+        out["time"] = time_routes(args, device)
     if not distributed or dist.get_rank() == 0:
         print(tabulate(rows, headers="keys"))
         print(f"KB: per token and step, the four legs, between nodes; ms: per step and rank, "
@@ -144,6 +182,10 @@ def main() -> None:
               f"within")  # fmt: skip
         if distributed:
             print(f"check: sent_bytes equal the model on every leg ({len(out['check'])} legs)")
+        if "time" in out:
+            shape = f"{args.tokens}x{args.hidden}, {args.experts} experts top-{args.top_k}"
+            print(f"dispatch + combine, forward + backward, ms ({device.type}, {shape}):")
+            print(tabulate(out["time"], headers="keys"))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(out, f, indent=1)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a GPU machine: GPU tests, tuning sweeps and benchmarks, logs in OUTDIR.
-#   [TESTS='tests/test_a2a.py ...' | PART=1|2] [TEST_FILE_TIMEOUT=300] scripts/gpu_check.sh OUTDIR [tests|tune|bench|cast|pergroup|grouped|static|ab|host|all]...
+#   [TESTS='tests/test_a2a.py ...' | PART=1|2] [TEST_FILE_TIMEOUT=300] scripts/gpu_check.sh OUTDIR [tests|tune|bench|cast|pergroup|grouped|static|ab|host|nodes|all]...
 # bench: the whole suite (scripts/run_benchmarks.sh, into OUTDIR/bench); cast, pergroup: the one-GPU parts
 # (pergroup adds the timing-spread probe and the per-group tiling sweep); grouped: grouped_mm's
 # GPU tests, the MoE layer benchmark (one rank), the FP8 experts piece by piece, their colwise
@@ -102,6 +102,13 @@ if has host; then
   n=$(python3 -c 'import torch; print(torch.cuda.device_count())')
   timeout 150 torchrun --nproc-per-node="$n" "$here/benchmarks/bench_host_time.py" --shape 256x5120 \
     --shape 8192x5120 --json "$out/host_time.json" 2>&1 | grep -v '^W1' | tee "$out/host_time.txt"
+fi
+if [[ " $stages " == *" nodes "* ]]; then  # (not in "all": it needs 4+ GPUs)
+  # node-aware dispatch on NCCL, the host's GPUs as 2 emulated nodes: bytes against the model,
+  # flat vs node-aware time at DeepSeek-V3's layer shape (both hops on NVLink here)
+  n=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+  timeout 300 torchrun --nproc-per-node="$n" "$here/benchmarks/bench_nodes.py" --check $((n / 2)) \
+    --time --json "$out/nodes.json" 2>&1 | grep -v '^W1' | tee "$out/nodes.txt"
 fi
 if has bench; then
   # its own folder: the suite writes the one-GPU stages' file names too
