@@ -256,6 +256,15 @@ def topology_sources_agree(rank, world, backend):
         outs.append((ex, mx.combine(ex, torch.ones(ids.shape), handle)))
     for ex, out in outs[1:]:
         assert torch.equal(ex, outs[0][0]) and torch.equal(out, outs[0][1])
+    # a group whose ranks do not ascend (group rank 0 is global rank 2): its order kept
+    turned = dist.new_group([2, 3, 0, 1], sort_ranks=False)
+    topo = mx.NodeTopology(turned, 2)
+    me = dist.get_rank(turned)
+    assert (topo.node, topo.local) == divmod(me, 2)
+    x, ids, _, _ = node_inputs(me, 6, 5, 3, 8)
+    flat, _, _ = mx.dispatch(x, ids, 8, turned)
+    ex, _, handle = mx.dispatch(x, ids, 8, turned, topology=topo)
+    assert handle.nodes is not None and torch.equal(ex, flat)
     dist.barrier()
 
 

@@ -97,11 +97,19 @@ def _sub_groups(group, g: int, node: int, local: int):
     nodes, backend = len(ranks) // g, dist.get_backend(group)
     rails = [[ranks[n * g + i] for n in range(nodes)] for i in range(g)]
     blocks = [ranks[n * g : (n + 1) * g] for n in range(nodes)]
+
+    def make(r: list[int], **kw) -> dist.ProcessGroup:  # (group rank i: node or local i)
+        return dist.new_group(r, backend=backend, **kw, **({} if r == sorted(r) else _UNSORTED))
+
     if len(ranks) == dist.get_world_size():
-        made = [dist.new_group(r, backend=backend) for r in rails + blocks]
+        made = [make(r) for r in rails + blocks]
         return made[local], made[g + node]
-    sync = {"backend": backend, "use_local_synchronization": True}
-    return dist.new_group(rails[local], **sync), dist.new_group(blocks[node], **sync)
+    return make(rails[local], use_local_synchronization=True), make(
+        blocks[node], use_local_synchronization=True
+    )
+
+
+_UNSORTED = {"sort_ranks": False}  # (a group whose ranks do not ascend: keep its order)
 
 
 def _ranks_per_node(group, world, ranks_per_node, mesh) -> tuple[str | None, int]:
