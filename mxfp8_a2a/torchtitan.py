@@ -191,11 +191,8 @@ def mxfp8_dispatch(
     ``--override.imports 'mxfp8_a2a.torchtitan.mxfp8_dispatch={"wire": "mxfp8_to_experts"}'``."""
     if (problem := _wire_error(wire)) is not None:
         raise ValueError(f"mxfp8_a2a.torchtitan.mxfp8_dispatch: {problem}")
-    if ranks_per_node is not None and (type(ranks_per_node) is not int or ranks_per_node < 1):
-        raise ValueError(
-            f"mxfp8_a2a.torchtitan.mxfp8_dispatch: ranks_per_node must be a positive int or "
-            f"None (torchrun's nodes), got {ranks_per_node!r}"
-        )
+    if (problem := _ranks_error(ranks_per_node)) is not None:
+        raise ValueError(f"mxfp8_a2a.torchtitan.mxfp8_dispatch: {problem}")
     return derive(cfg, MXFP8TokenDispatcher.Config, wire=wire, ranks_per_node=ranks_per_node)
 
 
@@ -221,14 +218,9 @@ class MXFP8StaticTokenDispatcher(MXFP8TokenDispatcher):
     def __init__(self, config: Config):
         if config.capacity_factor is not None:
             capacity_for(1, 1, 1, config.capacity_factor)  # its check of the factor
-        if config.ranks_per_node is not None:
-            raise ValueError("the static dispatcher's route is flat: leave ranks_per_node None")
         super().__init__(config)
         self.capacity_factor = config.capacity_factor
         self.last_stats: torch.Tensor | None = None
-
-    def init_buffer(self) -> None:  # (flat: no NodeTopology)
-        AllToAllTokenDispatcher.init_buffer(self)
 
     def _move(self, x_TD: torch.Tensor, topk_expert_ids_TK: torch.Tensor):  # noqa: N803
         """The static path: a capacity from the token count, no host sync."""
@@ -240,6 +232,7 @@ class MXFP8StaticTokenDispatcher(MXFP8TokenDispatcher):
         routed, ends, handle = dispatch_static(
             x_TD, topk_expert_ids_TK, self.num_experts, capacity, self.ep_mesh.get_group(),
             exchange=self.wire, functional=True,  # (selective checkpointing saves them)
+            topology=self.topology,
         )  # fmt: skip
         self.last_stats = handle.stats
         return routed, ends, handle
@@ -257,13 +250,25 @@ def mxfp8_dispatch_static(
     *,
     wire: str = DEFAULT_WIRE,
     capacity_factor: float | None = None,
+    ranks_per_node: int | None = None,
 ) -> MXFP8StaticTokenDispatcher.Config:
     """torchtitan override factory like :func:`mxfp8_dispatch`, on the static dispatch:
     ``--override.imports 'mxfp8_a2a.torchtitan.mxfp8_dispatch_static={"wire": "mxfp8"}'``
     (``capacity_factor``: see :class:`MXFP8StaticTokenDispatcher`; default dropless)."""
+    name = "mxfp8_a2a.torchtitan.mxfp8_dispatch_static"
     if (problem := _wire_error(wire)) is not None:
-        raise ValueError(f"mxfp8_a2a.torchtitan.mxfp8_dispatch_static: {problem}")
+        raise ValueError(f"{name}: {problem}")
     if capacity_factor is not None:
         capacity_for(1, 1, 1, capacity_factor)
+    if (problem := _ranks_error(ranks_per_node)) is not None:
+        raise ValueError(f"{name}: {problem}")
     return derive(cfg, MXFP8StaticTokenDispatcher.Config, wire=wire,
-                  capacity_factor=capacity_factor)  # fmt: skip
+                  capacity_factor=capacity_factor, ranks_per_node=ranks_per_node)  # fmt: skip
+
+
+def _ranks_error(ranks_per_node: object) -> str | None:
+    if ranks_per_node is None or (type(ranks_per_node) is int and ranks_per_node >= 1):
+        return None
+    return (
+        f"ranks_per_node must be a positive int or None (torchrun's nodes), got {ranks_per_node!r}"
+    )

@@ -164,15 +164,21 @@ def bytes_match_routing(rank, world, backend, seed, tokens, top_k, per_rank, lay
 def layer_takes_the_route(rank, world, backend, path, g):
     """ExpertParallelMoE with a NodeTopology: close to the flat layer (the same experts; the
     sums in another order), under DistributedDataParallel after prepare_ddp, and its
-    state dict through torch.distributed.checkpoint the flat layer's."""
-    import torch.distributed.checkpoint as dcp
-
+    state dict through torch.distributed.checkpoint the flat layer's; host-synced and static."""
     topo = mx.NodeTopology(None, g)
-    kw = {"exchange": "bf16", "seed": 3}
-    node = mx.ExpertParallelMoE(64, 32, 2 * world, 3, topology=topo, **kw)
-    flat = mx.ExpertParallelMoE(64, 32, 2 * world, 3, topology=None, **kw)
-    assert node.topology is topo and flat.topology is None
     x = torch.randn(5 + rank, 64, generator=torch.Generator().manual_seed(rank))
+    for static in ({"capacity": 32}, {}):  # (dropless)
+        kw = {"exchange": "bf16", "seed": 3, **static}
+        node = mx.ExpertParallelMoE(64, 32, 2 * world, 3, topology=topo, **kw)
+        flat = mx.ExpertParallelMoE(64, 32, 2 * world, 3, topology=None, **kw)
+        assert node.topology is topo and flat.topology is None
+        _close_under_ddp(node, flat, x)
+        assert node.read_dispatch_stats()["dropped"] == 0
+    _dcp_round_trip(node, flat, path, world)
+    dist.barrier()
+
+
+def _close_under_ddp(node, flat, x) -> None:
     outs = []
     for layer in (node, flat):
         net = torch.nn.Sequential(layer)
@@ -183,6 +189,11 @@ def layer_takes_the_route(rank, world, backend, path, g):
         outs.append((out.detach(), layer.router.grad, layer.experts.w1.grad))
     for a, b in zip(*outs, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _dcp_round_trip(node, flat, path, world) -> None:
+    import torch.distributed.checkpoint as dcp
+
     dcp.save(node.state_dict(), checkpoint_id=path)
     other = mx.ExpertParallelMoE(64, 32, 2 * world, 3, exchange="bf16", seed=4, topology=None)
     state = other.state_dict()
@@ -190,7 +201,6 @@ def layer_takes_the_route(rank, world, backend, path, g):
     other.load_state_dict(state)
     assert torch.equal(other.experts.w1, flat.experts.w1)
     assert torch.equal(other.router, flat.router)
-    dist.barrier()
 
 
 def bad_topology_fails_everywhere(rank, world, backend):
@@ -244,7 +254,7 @@ def topology_sources_agree(rank, world, backend):
         auto = tp.shared_topology(None)
         layer = mx.ExpertParallelMoE(64, 32, 8, 2, seed=1)
         assert layer.topology is auto and tp.shared_topology(None) is auto
-        assert mx.ExpertParallelMoE(64, 32, 8, 2, seed=1, capacity=8).topology is None
+        assert mx.ExpertParallelMoE(64, 32, 8, 2, seed=1, capacity=8).topology is auto
     finally:
         del os.environ["LOCAL_WORLD_SIZE"]
         tp._shared.clear()
@@ -281,4 +291,50 @@ def weights_grad_on_some_ranks(rank, world, backend):
         (out.float() * grad.float()).sum().backward()
         grads.append(xi.grad)
     assert torch.equal(*grads)
+    dist.barrier()
+
+
+def _by_token(rows: torch.Tensor) -> torch.Tensor:
+    """Rows sorted by their (source rank + 1, token) columns (node_inputs' encoding)."""
+    key = rows[:, 0].float() * 4096 + rows[:, 1].float()
+    return rows[key.argsort(stable=True)]
+
+
+def static_route_matches(rank, world, backend, seed, tokens, top_k, per_rank, g, exchange):
+    """dispatch_static with a topology, dropless: each expert's rows the host-synced node
+    route's (in another order), combine and every gradient bit for bit the same; eager and
+    compiled (fullgraph); with a small capacity, rows dropped and counted."""
+    experts = per_rank * world
+    topo = mx.NodeTopology(None, g)
+    x, ids, w, grad = node_inputs(rank, seed, tokens[rank], top_k, experts)
+    cap = max(tokens) * top_k
+
+    def run(fn, capacity=cap):
+        xi, wi = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        if fn is not None:
+            ex, offs, handle = fn(xi, ids, experts, capacity, exchange=exchange, topology=topo)
+            combine = mx.combine_static
+        else:
+            ex, counts, handle = mx.dispatch(xi, ids, experts, exchange=exchange, topology=topo)
+            offs, combine = torch.tensor(counts).cumsum(0), mx.combine
+        out = combine(ex * FACTOR, wi, handle)
+        (out.float() * grad.float()).sum().backward()
+        return ex.detach(), offs, out.detach(), xi.grad, wi.grad, handle
+
+    want = run(None)
+    want_starts = [0, *want[1].tolist()[:-1]]
+    for fn in (mx.dispatch_static, torch.compile(mx.dispatch_static, fullgraph=True)):
+        got = run(fn)
+        assert got[5].nodes is not None and got[5].stats[0].item() == 0
+        starts = [0, *got[1].tolist()[:-1]]
+        for lid in range(per_rank):
+            n = int(want[1][lid]) - want_starts[lid]
+            mine, theirs = got[0][starts[lid] :][:n], want[0][want_starts[lid] :][:n]
+            assert torch.equal(_by_token(mine), _by_token(theirs)), (exchange, rank, lid)
+        for a, b in zip(got[2:5], want[2:5], strict=True):
+            assert torch.equal(a, b), (exchange, rank)
+    small = run(mx.dispatch_static, capacity=1)  # drops: counted, the rest still sums
+    dropped = small[5].stats[0].clone()
+    dist.all_reduce(dropped)
+    assert dropped.item() > 0 and torch.isfinite(small[2]).all()
     dist.barrier()

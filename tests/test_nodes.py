@@ -13,6 +13,7 @@ from node_workers import (
     bytes_match_routing,
     layer_takes_the_route,
     route_matches_model,
+    static_route_matches,
     topology_sources_agree,
     weights_grad_on_some_ranks,
 )
@@ -58,3 +59,10 @@ def test_topology_from_ranks_per_node_mesh_or_torchrun():
 
 def test_weights_without_grad_on_one_rank_do_not_hang():
     run_distributed(weights_grad_on_some_ranks, 4, "gloo", timeout=120)
+
+
+@pytest.mark.parametrize("exchange", ["mxfp8", "bf16"])
+def test_static_route_matches_the_synced_one(exchange):
+    seed = random.randrange(2**31)
+    run_distributed(static_route_matches, 4, "gloo", seed, [5, 0, 7, 3], 3, 2, 2, exchange,
+                    timeout=600)  # fmt: skip

@@ -48,17 +48,22 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .._common import check_scaling_mode
+from ..exchange.agreement import _SEP as SEP
 from ..exchange.agreement import _all_gather as all_gather
 from ..exchange.checks import group_rank_and_size
+from ..exchange.nccl import NCCL
 from ..exchange.push import PushBuffer, counts_columns
 from ..exchange.wires import Wires, combine_default, leg_pair
 from . import agree
 from . import push as sp
 from .arguments import argument_error, check_owner, mark_output, mxfp8_rows_error
-from .engine import Route, all_to_all, combine_rows, dispatch_rows
+from .dispatch_synced import _spans, _topology_error
+from .engine import HopSlots, NodeStages, Route, all_to_all, combine_rows, dispatch_rows
+from .node_plan import forward_plan, source_ids, source_plan
 from .plan import receive_plan, send_plan
 from .plan import static_rows as static_rows  # (public here)
 from .push import check_fits
+from .topology import NodeTopology
 
 STAT_NAMES = ("dropped", "needed_capacity", "invalid_ids", "num_experts_differs")
 
@@ -102,6 +107,7 @@ class StaticHandle:
     dispatch_id: int = 0
     push: PushBuffer | None = None
     functional: bool = False
+    nodes: NodeStages | None = None  # the node-aware route's hops (topology), None: flat
 
 
 def _exchange_counts(rows_of, sent, stats, num_experts, capacity, group, push, functional):
@@ -163,6 +169,7 @@ def dispatch_static(
     transport: str | PushBuffer = "nccl",
     validate: bool = False,
     functional: bool = False,
+    topology: NodeTopology | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, StaticHandle]:
     """Send each token to the ranks of its top-k experts, with no host sync.
 
@@ -193,6 +200,14 @@ def dispatch_static(
         functional: the counts and rows through torch's functional all_to_all_single (as
             under torch.compile), which selective activation checkpointing policies can save
             (torchtitan's does) so that a recomputed forward does not exchange again.
+        topology: a NodeTopology of ``group`` spanning nodes: the node-aware route
+            (:func:`mxfp8_a2a.dispatch`'s, in fixed slots, "nccl" transport only). Stage 1
+            holds G * capacity rows per (source, node) (G ranks per node: never fewer
+            tokens than the flat path keeps slots), stage 2 N * capacity rows per
+            (forwarder, rank) (N nodes), so the buffers and the output have the flat path's
+            sizes; rows past either are dropped (stats: slots dropped at both stages, the
+            capacity that keeps all, invalid ids; num_experts is in the agreement instead).
+            The output is expert-major, within an expert by forwarder, then source node.
     Returns:
         expert_x: [static_rows(capacity, W, L, align), H] in x's dtype, expert-major (module
             docstring), padding rows zero; expert_offsets: int32 [L] end offsets of the
@@ -219,11 +234,18 @@ def dispatch_static(
             check_fits(push, capacity, x.shape[1], x.dtype, wires, columns, x.device)
         text = agree.terms(x.shape[1], x.dtype, num_experts, world, capacity,
                            wires + combine_default(exchange), scaling_mode, push)  # fmt: skip
+        if problem := _topology_error(topology, group, NCCL if push is None else push):
+            raise ValueError(problem)
+        if _spans(topology):  # (the counts travel within the node: agree on num_experts)
+            text += f"{SEP}topology={topology.terms()}{SEP}num_experts={num_experts}"
     except (TypeError, ValueError) as e:
         if push is None and not dist.is_initialized():  # (no group to tell)
             raise
         error, world = e, (push.world if push is not None else group_rank_and_size(group)[1])
     x = agree.agree_static(text, error, group, push, world, validate, x)
+    if _spans(topology):
+        return _node_route(x, topk_ids, num_experts, capacity, group, exchange, align,
+                           scaling_mode, functional, topology)  # fmt: skip
     rows_of, sent, stats = send_plan(topk_ids, num_experts, world, capacity)
     rows_of, recv, stats = _exchange_counts(rows_of, sent.to(x.device), stats, num_experts,
                                             capacity, group, push, functional)  # fmt: skip
@@ -233,6 +255,35 @@ def dispatch_static(
     handle = StaticHandle(
         rows_of, src_row, out_row, offs, stats, capacity, x.shape[1], x.dtype, group,
         combine_default(exchange), scaling_mode, mark_output(out), push, functional,
+    )  # fmt: skip
+    return out, offs, handle
+
+
+def _node_route(x, topk_ids, num_experts, capacity, group, exchange, align, mode, functional,
+                topology):  # fmt: skip
+    """dispatch_static on a node-aware route (node_plan.py), all on the device."""
+    nodes, g, f = topology.nodes, topology.ranks_per_node, functional
+    per_node, c1, c2 = num_experts // nodes, g * capacity, nodes * capacity
+    node_rows, _, all_rows, stats1 = source_plan(topk_ids, per_node, nodes, c1)
+    ids = source_ids(topk_ids.to(torch.int32), node_rows, nodes * c1, fill=-1)
+    ids = all_to_all(ids, None, None, topology.rail, f)
+    sum_rows, fwd_idx, fwd_slot, kept, stats2 = forward_plan(
+        ids, topology.node, per_node, g, g * c2, c2
+    )
+    recv = all_to_all(kept, None, None, topology.node_group, f)  # [forwarder, local expert]
+    src_row, out_row, offs = receive_plan(recv, c2, align)
+    slots = HopSlots(node_rows, all_rows, fwd_idx, fwd_slot, src_row, out_row, nodes * c1,
+                     topology.rail, topology.node_group, f)  # fmt: skip
+    stages = NodeStages(topology.rail, topology.node_group, (None, None), (None, None), fwd_idx,
+                        sum_rows, slots, nodes * c1)  # fmt: skip
+    need = torch.maximum((stats1[1] + g - 1) // g, (stats2[1] + nodes - 1) // nodes)
+    stats = torch.stack([stats1[0] + stats2[0], need, stats1[2], stats1[2] * 0])
+    route = Route(group, capacity, functional=f, nodes=stages)
+    wires = leg_pair(exchange, "dispatch")
+    out = dispatch_rows(x, node_rows, src_row, out_row, route, wires, mode)
+    handle = StaticHandle(
+        node_rows, src_row, out_row, offs, stats, capacity, x.shape[1], x.dtype, group,
+        combine_default(exchange), mode, mark_output(out), None, f, stages,
     )  # fmt: skip
     return out, offs, handle
 
@@ -303,7 +354,8 @@ def combine_static(
     if (push := handle.push) is not None:
         check_fits(push, handle.capacity, h, handle.dtype, wires, push.count_columns,
                    expert_y.device)  # fmt: skip
-    route = Route(handle.group, handle.capacity, push=handle.push, functional=handle.functional)
+    route = Route(handle.group, handle.capacity, push=handle.push, functional=handle.functional,
+                  nodes=handle.nodes)  # fmt: skip
     return combine_rows(expert_y, topk_weights, handle.rows_of, handle.src_row, handle.out_row,
                         route, wires, handle.scaling_mode)  # fmt: skip
 

@@ -271,7 +271,7 @@ def _node_stages(topology, topk_ids, num_experts, counts, recv_counts, output_sp
     Returns (NodeStages, node_rows, stage-2 src_row, stage-2 out_row)."""
     nodes, g, f = topology.nodes, topology.ranks_per_node, slots.functional
     per_node_experts = num_experts // nodes
-    node_rows, per_node = source_plan(topk_ids, per_node_experts, nodes)
+    node_rows, per_node, _, _ = source_plan(topk_ids, per_node_experts, nodes)
     # to the forwarder on node m: [rows for m, rows for each rank of m]
     msg = torch.cat([per_node[:, None], counts.sum(1).view(nodes, g)], 1)
     got = all_to_all(msg.to(dev), None, None, topology.rail, f)
@@ -280,14 +280,17 @@ def _node_stages(topology, topk_ids, num_experts, counts, recv_counts, output_sp
     rail_recv = [row[0] for row in got]
     node_send = [sum(row[1 + i] for row in got) for i in range(g)]
     node_recv = [sum(output_splits[n * g + i] for n in range(nodes)) for i in range(g)]
-    ids = source_ids(topk_ids, node_rows, sum(rail_send))
+    ids = source_ids(topk_ids.to(torch.int32), node_rows, sum(rail_send))
     ids = all_to_all(ids.to(dev), rail_recv, rail_send, topology.rail, f).to(topk_ids.device)
-    sum_rows, fwd_idx = forward_plan(ids, topology.node, per_node_experts, g, sum(node_send))
+    sum_rows, fwd_idx, _, _, _ = forward_plan(
+        ids, topology.node, per_node_experts, g, sum(node_send)
+    )
     n = sum(output_splits)
     order = expert_order(recv_counts, nodes, g, n)
     src_row, out_row = remap(slots.src_row, slots.out_row, order)
     stages = NodeStages(topology.rail, topology.node_group, (rail_send, rail_recv),
-                        (node_send, node_recv), fwd_idx, sum_rows, slots)  # fmt: skip
+                        (node_send, node_recv), fwd_idx, sum_rows, slots,
+                        sum(rail_send))  # fmt: skip
     return stages, node_rows, src_row, out_row
 
 

@@ -28,6 +28,7 @@ from ..exchange import nccl
 from ..exchange.plain import HAS_FUNCOL, funcol
 from ..exchange.push import PushBuffer
 from ..exchange.transport import Transport
+from . import node_plan
 from . import push as sp
 from . import rows as rows_ops
 
@@ -57,10 +58,10 @@ class Route:
 
     def send_rows(self) -> int:
         """Rows of dispatch's send buffer (and of combine's receive buffer)."""
+        if self.nodes is not None:
+            return self.nodes.send_rows
         if self.capacity is not None:
             return self.world() * self.capacity
-        if self.nodes is not None:
-            return sum(self.nodes.rail_splits[0])
         return sum(self.splits[0])
 
     def carried(self, wire: str) -> str:
@@ -94,7 +95,8 @@ class NodeStages:
     node_splits: tuple[list[int], list[int]]
     fwd_idx: torch.Tensor
     sum_rows: torch.Tensor
-    slots: SlotPlan
+    slots: SlotPlan | HopSlots
+    send_rows: int = 0  # stage 1's send buffer (dispatch_rows' send rows)
 
     def move(self, buf, back, wire, mode, rows, functional) -> torch.Tensor:
         """Forward: stage 1, the wire bytes copied, stage 2. Back: stage 2 in reverse, each
@@ -290,6 +292,49 @@ class SlotPlan:
         buf = _take_values(rows.contiguous(), self.out_row)
         back = all_to_all(buf, sent, received, self.group, self.functional)
         return _take_values(back, self.rows_of.reshape(-1))
+
+
+@dataclass
+class HopSlots:
+    """The slot weights' way to the experts' rows along a fixed-slot node-aware route's hops
+    (the static dispatch): each stage-1 row carries its token's k values (fp32) over the rail,
+    the forwarder picks each stage-2 row's slot, the node group delivers it; to_slots is the
+    reverse. node_rows / all_rows [T, k]: the stage-1 row of each (token, node)'s first slot
+    / of every slot; fwd_idx, fwd_slot [stage-2 rows]: the stage-1 row and slot each copies;
+    src_row / out_row: the stage-2 receive plan (plan.receive_plan)."""
+
+    node_rows: torch.Tensor
+    all_rows: torch.Tensor
+    fwd_idx: torch.Tensor
+    fwd_slot: torch.Tensor
+    src_row: torch.Tensor
+    out_row: torch.Tensor
+    rows: int  # stage-1 rows
+    rail: dist.ProcessGroup | None
+    node: dist.ProcessGroup | None
+    functional: bool = False
+
+    def to_rows(self, values: torch.Tensor) -> torch.Tensor:
+        """values [T, k] fp32 -> [N]: each expert row's (token, slot) value (0: padding)."""
+        f = self.functional
+        sent = node_plan.source_ids(values, self.node_rows, self.rows)
+        got = all_to_all(sent, None, None, self.rail, f)
+        picked = got[self.fwd_idx.clamp(min=0), self.fwd_slot.clamp(min=0)]
+        picked = torch.where(self.fwd_idx < 0, 0, picked)
+        return _take_values(all_to_all(picked, None, None, self.node, f), self.src_row)
+
+    def to_slots(self, rows: torch.Tensor) -> torch.Tensor:
+        """The reverse: rows [N] -> [T * k], each slot's row's value (0: dropped)."""
+        f = self.functional
+        back = all_to_all(_take_values(rows.contiguous(), self.out_row), None, None, self.node, f)
+        k = self.all_rows.shape[1]
+        spread = back.new_zeros((self.rows + 1, k))
+        at = torch.where(self.fwd_idx < 0, self.rows, self.fwd_idx)
+        spread.index_put_((at, self.fwd_slot.clamp(min=0)), back)
+        got = all_to_all(spread[: self.rows], None, None, self.rail, f)
+        slot = torch.arange(k, device=got.device).expand_as(self.all_rows)
+        picked = got[self.all_rows.clamp(min=0), slot]
+        return torch.where(self.all_rows < 0, 0, picked).reshape(-1)
 
 
 def _take_values(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -106,10 +106,10 @@ class ExpertParallelMoE(torch.nn.Module):
             route_groups: (G, M): node-limited routing; the experts form G contiguous
                 groups (G = the nodes: experts sit on the ranks in order) and each token
                 picks its experts within its M best groups (DeepSeek-V3); None: any.
-            topology: a :class:`mxfp8_a2a.NodeTopology` of ``group``: the host-synced
-                dispatch sends each token once per node (:func:`mxfp8_a2a.dispatch`). "auto":
-                torchrun's nodes when the group spans several (one NodeTopology per group,
-                shared by the layers), else None (flat). The static dispatch is flat.
+            topology: a :class:`mxfp8_a2a.NodeTopology` of ``group``: each token sent once
+                per node (:func:`mxfp8_a2a.dispatch`, :func:`mxfp8_a2a.dispatch_static`).
+                "auto": torchrun's nodes when the group spans several (one NodeTopology per
+                group, shared by the layers), else None (flat); flat with a PushBuffer.
             seed: expert e is drawn from a generator seeded by (seed, e), the router from
                 seed, so a given seed builds the same model at every group size. None (the
                 default): the seed is drawn from torch's default generator, so
@@ -206,7 +206,7 @@ class ExpertParallelMoE(torch.nn.Module):
         else:
             self.expert_bias = self.expert_load = None
         self._exchange, self.wires, self.transport = exchange, wires, transport
-        self.topology = checks.layer_topology(topology, group, self.static)
+        self.topology = checks.layer_topology(topology, group, isinstance(transport, PushBuffer))
         router = torch.empty(hidden, num_experts, device=device, dtype=dtype or torch.float32)
         if router.device.type != "meta":
             router.copy_(draw_router(hidden, num_experts, seed))
@@ -326,7 +326,8 @@ class ExpertParallelMoE(torch.nn.Module):
     def _forward_static(self, x, weights, ids) -> torch.Tensor:
         ex, offs, handle = dispatch_static(x, ids, self.num_experts, self.capacity, self.group,
                                            exchange=self.wires, align=self.align,
-                                           transport=self.transport)  # fmt: skip
+                                           transport=self.transport,
+                                           topology=self.topology)  # fmt: skip
         with torch.no_grad():  # dropped and bad ids add up, the other two are maxima
             s, new = self.dispatch_stats, handle.stats
             added, peak = s[0::2] + new[0::2], torch.maximum(s[1::2], new[1::2])

@@ -106,21 +106,18 @@ def check_construction(
     return capacity
 
 
-def layer_topology(topology, group, static: bool) -> NodeTopology | None:
+def layer_topology(topology, group, push: bool) -> NodeTopology | None:
     """The layer's ``topology`` argument, resolved at construction (see ExpertParallelMoE)."""
     if isinstance(topology, str) and topology == "auto":
-        return None if static else shared_topology(group)
+        return None if push else shared_topology(group)
     if topology is None:
         return None
     if not isinstance(topology, NodeTopology):
         raise ValueError(f"topology must be a NodeTopology, 'auto' or None, got {topology!r}")
     if not same_group(topology.group, group):
         raise ValueError("topology must be built on the layer's group: NodeTopology(group, ...)")
-    if static and topology.spans_nodes:
-        raise ValueError(
-            "the static dispatch (capacity / capacity_factor) takes the flat route: pass "
-            "topology=None, or leave out capacity for the node-aware host-synced dispatch"
-        )
+    if push and topology.spans_nodes:
+        raise ValueError("a PushBuffer moves rows within one node: pass topology=None")
     return topology
 
 

@@ -31,46 +31,73 @@ from ..exchange.rows import wire_row
 from .plan import _rank_in_bucket, send_plan
 
 
-def source_plan(topk_ids: Tensor, experts_per_node: int, nodes: int) -> tuple[Tensor, Tensor]:
-    """topk_ids [T, k] (valid ids) -> (node_rows int64 [T, k]: the stage-1 send row of the
-    first slot of each (token, node), -1 for the other slots; per_node int64 [N]: rows per
-    destination node)."""
+def source_plan(
+    topk_ids: Tensor, experts_per_node: int, nodes: int, capacity: int | None = None
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """topk_ids [T, k] -> (node_rows int64 [T, k]: the stage-1 send row of the first slot of
+    each (token, node), -1 for the other slots; per_node int64 [N]: rows per destination node
+    (before drops); all_rows int64 [T, k]: the stage-1 row of every slot's (token, node);
+    stats int64 [3]: slots dropped, the most rows for one node, slots with invalid ids).
+    capacity None: packed (node m's rows after the earlier nodes'); else fixed slots (node m's
+    at m * capacity, the rows past it dropped with all their slots). Ids outside [0, N *
+    experts_per_node) are not sent."""
     t, k = topk_ids.shape
-    node = topk_ids.to(torch.int64) // experts_per_node
+    ids = topk_ids.to(torch.int64)
+    valid = (ids >= 0) & (ids < nodes * experts_per_node)
+    node = torch.where(valid, ids // experts_per_node, nodes)  # (N: an invalid id)
     earlier = torch.ones(k, k, dtype=torch.bool, device=node.device).tril(-1)
     repeat = ((node[:, :, None] == node[:, None, :]) & earlier).any(2)  # node seen before j
-    key = torch.where(repeat, nodes, node).reshape(-1)
+    key = torch.where(repeat | ~valid, nodes, node).reshape(-1)
     pos, count = _rank_in_bucket(key, nodes + 1)  # token-major within a node
-    start = count.cumsum(0) - count
-    rows = torch.where(repeat.reshape(-1), -1, start[key.clamp(max=nodes - 1)] + pos)
-    return rows.view(t, k), count[:nodes]
+    m = key.clamp(max=nodes - 1)
+    if capacity is None:
+        row, kept = (count.cumsum(0) - count)[m] + pos, key < nodes
+    else:
+        row, kept = m * capacity + pos, (key < nodes) & (pos < capacity)
+    first = torch.where(kept, row, -1).view(t, k)
+    # every slot's row: its node's first slot's (a [T, k, k] match, k is small)
+    same = (node[:, :, None] == node[:, None, :]) & ~repeat[:, None, :] & valid[:, :, None]
+    all_rows = torch.where(same, first[:, None, :], -1).amax(2)
+    dropped = (valid & (all_rows < 0)).sum()
+    stats = torch.stack([dropped, count[:nodes].max(), (~valid).sum()])
+    return first, count[:nodes], all_rows, stats
 
 
-def source_ids(topk_ids: Tensor, node_rows: Tensor, n_rows: int) -> Tensor:
-    """int32 [n_rows, k]: the expert ids of the token of each stage-1 row."""
-    t, k = topk_ids.shape
-    out = topk_ids.new_zeros((n_rows + 1, k), dtype=torch.int32)
-    token = torch.arange(t, device=topk_ids.device)[:, None].expand(t, k).reshape(-1)
+def source_ids(values: Tensor, node_rows: Tensor, n_rows: int, fill: float = 0) -> Tensor:
+    """[n_rows, k] in values' dtype: the k values of the token of each stage-1 row (its
+    expert ids, or its slot weights), ``fill`` in rows no token uses."""
+    t, k = values.shape
+    out = values.new_full((n_rows + 1, k), fill)
+    token = torch.arange(t, device=values.device)[:, None].expand(t, k).reshape(-1)
     row = node_rows.reshape(-1)
-    out.index_copy_(0, torch.where(row < 0, n_rows, row), topk_ids.to(torch.int32)[token])
-    return out[:n_rows]
+    return out.index_copy_(0, torch.where(row < 0, n_rows, row), values[token])[:n_rows]
 
 
 def forward_plan(
-    ids: Tensor, node: int, experts_per_node: int, ranks_per_node: int, n_rows: int
-) -> tuple[Tensor, Tensor]:
-    """At the forwarder of ``node``: ids int32 [R1, k] (the received rows' expert ids) ->
-    (sum_rows int64 [R1, k]: the stage-2 send row of each (row, slot) whose expert is on this
-    node, -1 otherwise; fwd_idx int64 [n_rows]: the received row each stage-2 row copies)."""
+    ids: Tensor,
+    node: int,
+    experts_per_node: int,
+    ranks_per_node: int,
+    n_rows: int,
+    capacity: int | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """At the forwarder of ``node``: ids int32 [R1, k] (the received rows' expert ids, -1 in
+    unused rows) -> (sum_rows int64 [R1, k]: the stage-2 send row of each (row, slot) whose
+    expert is on this node, -1 otherwise; fwd_idx int64 [n_rows]: the received row each
+    stage-2 row copies, -1 for none; fwd_slot int64 [n_rows]: its slot; the kept rows per
+    (rank of the node, local expert) [G, L]; stats [3] as plan.send_plan's). capacity: rows
+    per destination rank (fixed slots, the rest dropped), None: packed."""
     local = ids.to(torch.int64) - node * experts_per_node
     local = torch.where((local >= 0) & (local < experts_per_node), local, -1)
-    sum_rows, _, _ = send_plan(local, experts_per_node, ranks_per_node, None)
+    sum_rows, counts, stats = send_plan(local, experts_per_node, ranks_per_node, capacity)
     r1, k = ids.shape
-    src = torch.arange(r1, device=ids.device)[:, None].expand(r1, k).reshape(-1)
-    fwd = torch.zeros(n_rows + 1, dtype=torch.int64, device=ids.device)
-    row = sum_rows.reshape(-1)
-    fwd.index_copy_(0, torch.where(row < 0, n_rows, row), src)
-    return sum_rows, fwd[:n_rows]
+    src = torch.arange(r1 * k, device=ids.device)
+    row = torch.where(sum_rows.reshape(-1) < 0, n_rows, sum_rows.reshape(-1))
+    fwd = torch.full((n_rows + 1,), -1, dtype=torch.int64, device=ids.device)
+    fwd.index_copy_(0, row, src)
+    fwd = fwd[:n_rows]
+    fwd_idx = torch.where(fwd < 0, -1, fwd.div(max(k, 1), rounding_mode="floor"))
+    return sum_rows, fwd_idx, torch.where(fwd < 0, -1, fwd % max(k, 1)), counts, stats
 
 
 def expert_order(recv_counts: Tensor, nodes: int, ranks_per_node: int, n: int) -> Tensor:
@@ -110,6 +137,11 @@ def sent_bytes(handle, topology=None) -> dict[str, dict[str, int]]:
 
     handle: from :func:`mxfp8_a2a.dispatch` (its wires and combine's default ones);
     topology: which ranks share a node, for a flat handle (default: one node)."""
+    if not hasattr(handle, "input_splits"):
+        raise TypeError(
+            "sent_bytes takes the handle of mxfp8_a2a.dispatch; the static dispatch sends "
+            "fixed buffers (W * capacity rows each way, per hop on a node-aware route)"
+        )
     if handle.nodes is not None:
         topology = handle.topology
     rank = dist.get_rank(handle.group) if dist.is_initialized() else 0
