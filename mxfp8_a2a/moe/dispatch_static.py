@@ -36,6 +36,9 @@ here to raise it sooner). Every rank must pass the same hidden size, dtype, exch
 capacity (they set the rows' collective's size) and, past DISPATCH_INLINE_COUNTS local
 experts, the same num_experts: each new configuration is checked across the ranks once
 (agree.py), so that ranks that disagree raise the same error instead of hanging.
+
+With a NodeTopology (``topology=``), the rows take the node-aware route's two hops in fixed
+slots (node_plan.py; see dispatch_static's ``topology``), still without a host sync.
 """
 
 from __future__ import annotations

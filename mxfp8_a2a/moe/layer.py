@@ -109,7 +109,7 @@ class ExpertParallelMoE(torch.nn.Module):
             topology: a :class:`mxfp8_a2a.NodeTopology` of ``group``: each token sent once
                 per node (:func:`mxfp8_a2a.dispatch`, :func:`mxfp8_a2a.dispatch_static`).
                 "auto": torchrun's nodes when the group spans several (one NodeTopology per
-                group, shared by the layers), else None (flat); flat with a PushBuffer.
+                group, shared by the layers), else None (flat; also with a PushBuffer).
             seed: expert e is drawn from a generator seeded by (seed, e), the router from
                 seed, so a given seed builds the same model at every group size. None (the
                 default): the seed is drawn from torch's default generator, so
