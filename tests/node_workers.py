@@ -300,7 +300,13 @@ def _by_token(rows: torch.Tensor) -> torch.Tensor:
     return rows[key.argsort(stable=True)]
 
 
-def static_route_matches(rank, world, backend, seed, tokens, top_k, per_rank, g, exchange):
+def static_route_matches(rank, world, backend, seed, tokens, top_k, per_rank, g, exchanges):
+    for i, exchange in enumerate(exchanges):  # (compiled: the first exchange only)
+        _static_route_matches(rank, seed, tokens, top_k, per_rank, world, g, exchange, i == 0)
+    dist.barrier()
+
+
+def _static_route_matches(rank, seed, tokens, top_k, per_rank, world, g, exchange, compiled):
     """dispatch_static with a topology, dropless: each expert's rows the host-synced node
     route's (in another order), combine and every gradient bit for bit the same; eager and
     compiled (fullgraph); with a small capacity, rows dropped and counted."""
@@ -323,7 +329,8 @@ def static_route_matches(rank, world, backend, seed, tokens, top_k, per_rank, g,
 
     want = run(None)
     want_starts = [0, *want[1].tolist()[:-1]]
-    for fn in (mx.dispatch_static, torch.compile(mx.dispatch_static, fullgraph=True)):
+    fns = [mx.dispatch_static] + [torch.compile(mx.dispatch_static, fullgraph=True)] * compiled
+    for fn in fns:
         got = run(fn)
         assert got[5].nodes is not None and got[5].stats[0].item() == 0
         starts = [0, *got[1].tolist()[:-1]]
@@ -337,4 +344,3 @@ def static_route_matches(rank, world, backend, seed, tokens, top_k, per_rank, g,
     dropped = small[5].stats[0].clone()
     dist.all_reduce(dropped)
     assert dropped.item() > 0 and torch.isfinite(small[2]).all()
-    dist.barrier()

@@ -33,7 +33,7 @@ def test_route_matches_flat_and_model(world, layouts, tokens):
     """Each layout of the world, each preset and a mix, top-3 of 2 experts per rank with
     repeated ids."""
     seed = random.randrange(2**31)
-    exchanges = EXCHANGES if world == 4 else EXCHANGES[::3]  # (bigger groups: less CI time)
+    exchanges = EXCHANGES if world == 4 else EXCHANGES[3:]  # (bigger groups: less CI time)
     run_distributed(route_matches_model, world, "gloo", seed, tokens, 3, 2, layouts, exchanges,
                     timeout=600)  # fmt: skip
 
@@ -61,8 +61,8 @@ def test_weights_without_grad_on_one_rank_do_not_hang():
     run_distributed(weights_grad_on_some_ranks, 4, "gloo", timeout=120)
 
 
-@pytest.mark.parametrize("exchange", ["mxfp8", "bf16"])
-def test_static_route_matches_the_synced_one(exchange):
+def test_static_route_matches_the_synced_one():
+    """MXFP8 eager and compiled, bf16 eager."""
     seed = random.randrange(2**31)
-    run_distributed(static_route_matches, 4, "gloo", seed, [5, 0, 7, 3], 3, 2, 2, exchange,
-                    timeout=600)  # fmt: skip
+    run_distributed(static_route_matches, 4, "gloo", seed, [5, 0, 7, 3], 3, 2, 2,
+                    ("mxfp8", "bf16"), timeout=600)  # fmt: skip
