@@ -9,6 +9,7 @@ NVLink hop). Both are made once, when the NodeTopology is built, by its ranks on
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import torch.distributed as dist
@@ -98,6 +99,13 @@ def _sub_groups(group, g: int, node: int, local: int):
     rails = [[ranks[n * g + i] for n in range(nodes)] for i in range(g)]
     blocks = [ranks[n * g : (n + 1) * g] for n in range(nodes)]
 
+    unsorted = any(r != sorted(r) for r in rails + blocks)  # (the same on every rank)
+    if unsorted and not KEEPS_ORDER:
+        raise ValueError(
+            "NodeTopology: the group's ranks do not ascend, and this torch's new_group cannot "
+            "keep a sub-group's order (no sort_ranks): build the group with ascending ranks"
+        )
+
     def make(r: list[int], **kw) -> dist.ProcessGroup:  # (group rank i: node or local i)
         return dist.new_group(r, backend=backend, **kw, **({} if r == sorted(r) else _UNSORTED))
 
@@ -110,6 +118,7 @@ def _sub_groups(group, g: int, node: int, local: int):
 
 
 _UNSORTED = {"sort_ranks": False}  # (a group whose ranks do not ascend: keep its order)
+KEEPS_ORDER = "sort_ranks" in inspect.signature(dist.new_group).parameters  # (torch 2.13: yes)
 
 
 def _ranks_per_node(group, world, ranks_per_node, mesh) -> tuple[str | None, int]:
