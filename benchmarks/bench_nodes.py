@@ -92,10 +92,9 @@ def model(args) -> list[dict]:
     return rows
 
 
-def check(args, device) -> dict:
+def check(args, device, topo) -> dict:
     """The real code on emulated nodes: sent_bytes summed over ranks == the model's count."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    topo = mx.NodeTopology(None, args.check)
     experts, hidden, top_k, tokens = 4 * world, 64, min(args.top_k, 4 * world), 48
     nodes = world // args.check
     ids = draw_ids(tokens, experts, top_k, nodes, None, args.seed + rank).to(device)
@@ -120,11 +119,10 @@ def check(args, device) -> dict:
     return result
 
 
-def time_routes(args, device) -> list[dict]:
+def time_routes(args, device, topo) -> list[dict]:
     """ms of dispatch + combine forward and backward per route and preset (Timer: barrier,
     CUDA events, median, max over ranks)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    topo = mx.NodeTopology(None, args.check)
     nodes = world // args.check
     ids = draw_ids(args.tokens, args.experts, args.top_k, nodes, None, args.seed + rank)
     ids, w = ids.to(device), torch.rand(args.tokens, args.top_k, device=device)
@@ -172,9 +170,10 @@ def main() -> None:
     rows = model(args)
     out = {"versions": versions(), "args": vars(args), "model": rows}
     if distributed:
-        out["check"] = check(args, device)
-    if distributed and args.time:
-        out["time"] = time_routes(args, device)
+        topo = mx.NodeTopology(None, args.check)  # (its sub-groups: once)
+        out["check"] = check(args, device, topo)
+        if args.time:
+            out["time"] = time_routes(args, device, topo)
     if not distributed or dist.get_rank() == 0:
         print(tabulate(rows, headers="keys"))
         print(f"KB: per token and step, the four legs, between nodes; ms: per step and rank, "

@@ -26,9 +26,8 @@ tensors on one rank, for ``torch.save`` (any module, wrapped or not). full_state
 collective that first checks every rank has joined (:func:`handshake`): called on one rank
 only, it raises an error naming the fix instead of waiting forever.
 
-On the (ep, dp) mesh under FSDP2: each rank knows only its own two groups, so the grid's
-other cells follow init_device_mesh's layout (rank = offset + i * a + j * b); only this
-rank's own coordinate (always exact) and its groups are used by DTensor and dcp.
+On the (ep, dp) mesh under FSDP2 each rank knows only its own two groups: DTensor and dcp
+use only this rank's own (exact) coordinate and groups, the rest follows init_device_mesh.
 """
 
 from __future__ import annotations
@@ -56,8 +55,7 @@ from ..exchange.agreement import (
 
 
 def register_checkpoint_hooks(layer: torch.nn.Module) -> None:
-    """Install the state-dict hooks on an ExpertParallelMoE (called by its constructor); the
-    layers of a model are the modules that hold them (:func:`moe_layers`)."""
+    """The state-dict hooks of an ExpertParallelMoE (its constructor calls it; moe_layers)."""
     layer.register_state_dict_post_hook(_present_experts)
     layer.register_load_state_dict_pre_hook(_accept_experts)
     layer._mxfp8_a2a_moe = True

@@ -60,13 +60,12 @@ from ..exchange.wires import Wires, combine_default, leg_pair
 from . import agree
 from . import push as sp
 from .arguments import argument_error, check_owner, mark_output, mxfp8_rows_error
-from .dispatch_synced import _spans, _topology_error
 from .engine import HopSlots, NodeStages, Route, all_to_all, combine_rows, dispatch_rows
 from .node_plan import forward_plan, source_ids, source_plan
 from .plan import receive_plan, send_plan
 from .plan import static_rows as static_rows  # (public here)
 from .push import check_fits
-from .topology import NodeTopology
+from .topology import NodeTopology, spans, topology_error
 
 STAT_NAMES = ("dropped", "needed_capacity", "invalid_ids", "num_experts_differs")
 
@@ -237,16 +236,16 @@ def dispatch_static(
             check_fits(push, capacity, x.shape[1], x.dtype, wires, columns, x.device)
         text = agree.terms(x.shape[1], x.dtype, num_experts, world, capacity,
                            wires + combine_default(exchange), scaling_mode, push)  # fmt: skip
-        if problem := _topology_error(topology, group, NCCL if push is None else push):
+        if problem := topology_error(topology, group, NCCL if push is None else push):
             raise ValueError(problem)
-        if _spans(topology):  # (the counts travel within the node: agree on num_experts)
+        if spans(topology):  # (the counts travel within the node: agree on num_experts)
             text += f"{SEP}topology={topology.terms()}{SEP}num_experts={num_experts}"
     except (TypeError, ValueError) as e:
         if push is None and not dist.is_initialized():  # (no group to tell)
             raise
         error, world = e, (push.world if push is not None else group_rank_and_size(group)[1])
     x = agree.agree_static(text, error, group, push, world, validate, x)
-    if _spans(topology):
+    if spans(topology):
         return _node_route(x, topk_ids, num_experts, capacity, group, exchange, align,
                            scaling_mode, functional, topology)  # fmt: skip
     rows_of, sent, stats = send_plan(topk_ids, num_experts, world, capacity)

@@ -46,7 +46,8 @@ from .arguments import argument_error, check_owner, mark_output, mxfp8_rows_erro
 from .engine import NodeStages, Route, SlotPlan, all_to_all, combine_rows, dispatch_rows
 from .node_plan import expert_order, forward_plan, remap, source_ids, source_plan
 from .plan import receive_plan, send_plan
-from .topology import NodeTopology, same_group
+from .topology import NodeTopology, spans
+from .topology import topology_error as _topology_error
 
 COMPILE_ERROR = (
     "the host-synced dispatch (mxfp8_a2a.dispatch, ExpertParallelMoE without max_tokens) reads "
@@ -104,7 +105,7 @@ def _terms(x: torch.Tensor, num_experts: int, exchange, transport: Transport, to
     """What the counts and the exchanges depend on (agreement.py's terms text)."""
     grad = torch.is_grad_enabled() and x.requires_grad
     terms = {"num_experts": num_experts, "x.shape[1]": x.shape[1], "x.dtype": x.dtype}
-    if _spans(topology):
+    if spans(topology):
         terms["topology"] = topology.terms()
     wires = leg_pair(exchange, "dispatch") + combine_default(exchange)
     terms["exchange"] = "/".join(wires)  # dispatch's, then combine's forward/backward
@@ -230,7 +231,7 @@ def dispatch_reporting(
     recv_counts = recv_counts.to(device=x.device, dtype=torch.int64)
     src_row, out_row, offsets = receive_plan(recv_counts.contiguous(), None, 1, (n, n))
     nodes = None
-    if _spans(topology):
+    if spans(topology):
         slots = SlotPlan(rows_of, src_row, out_row, (input_splits, output_splits), group,
                          functional)  # fmt: skip
         nodes, rows_of, src_row, out_row = _node_stages(
@@ -246,22 +247,6 @@ def dispatch_reporting(
     out = dispatch_rows(x, rows_of, src_row, out_row, handle.route, wires, "rceil")
     handle.dispatch_id = mark_output(out)
     return out, per_expert, handle
-
-
-def _spans(topology: NodeTopology | None) -> bool:
-    return topology is not None and topology.spans_nodes
-
-
-def _topology_error(topology, group, transport) -> str | None:
-    if topology is None:
-        return None
-    if not isinstance(topology, NodeTopology):
-        return f"topology must be a NodeTopology or None, got {type(topology).__name__}"
-    if not same_group(topology.group, group):
-        return "topology must be built on dispatch's group (NodeTopology(group, ...))"
-    if topology.spans_nodes and transport is not NCCL:
-        return "the node-aware route (topology) moves rows with all_to_all_single: transport='nccl'"
-    return None
 
 
 def _node_stages(topology, topk_ids, num_experts, counts, recv_counts, output_splits, slots,

@@ -96,7 +96,7 @@ class NodeStages:
     fwd_idx: torch.Tensor
     sum_rows: torch.Tensor
     slots: SlotPlan | HopSlots
-    send_rows: int = 0  # stage 1's send buffer (dispatch_rows' send rows)
+    send_rows: int  # stage 1's send buffer (dispatch_rows' send rows)
 
     def move(self, buf, back, wire, mode, rows, functional) -> torch.Tensor:
         """Forward: stage 1, the wire bytes copied, stage 2. Back: stage 2 in reverse, each
@@ -200,10 +200,10 @@ class _Combine(torch.autograd.Function):
 class _CombineAtExperts(torch.autograd.Function):
     """combine on a node-aware route (route.nodes): each row weighted where its expert is,
     z = (w rounded to y's dtype) * y in fp32, rounded to y's dtype; the hops sum the rows
-    (NodeStages.move) into [T, H]. The slot weights reach the experts' rows in fp32 over the
-    flat plan (SlotPlan), and their gradient, the fp32 dot product of each row's decoded
-    gradient with y, goes back the same way in every backward (a collective every rank
-    runs, whether its weights require grad or not)."""
+    (NodeStages.move) into [T, H]. The slot weights reach the experts' rows in fp32
+    (route.nodes.slots: a SlotPlan or HopSlots), and their gradient, the fp32 dot product
+    of each row's decoded gradient with y, goes back the same way in every backward (a
+    collective every rank runs, whether its weights require grad or not)."""
 
     @staticmethod
     def forward(ctx, y, weights, rows_of, src_row, out_row, route, wires, mode):
@@ -282,16 +282,16 @@ class SlotPlan:
         """values [T, k] -> [N]: each expert row's (token, slot) value, exchanged exactly
         (zeros for padding rows)."""
         sent, received = self.splits
-        buf = _scatter_rows(values.reshape(-1), self.rows_of.reshape(-1), sum(sent))
+        buf = rows_ops.put_rows(values.reshape(-1), self.rows_of.reshape(-1), sum(sent))
         got = all_to_all(buf, received, sent, self.group, self.functional)
-        return _take_values(got, self.src_row)
+        return rows_ops._take(got, self.src_row)
 
     def to_slots(self, rows: torch.Tensor) -> torch.Tensor:
         """The reverse: rows [N] -> [T * k], each (token, slot)'s row's value."""
         sent, received = self.splits
-        buf = _take_values(rows.contiguous(), self.out_row)
+        buf = rows_ops._take(rows.contiguous(), self.out_row)
         back = all_to_all(buf, sent, received, self.group, self.functional)
-        return _take_values(back, self.rows_of.reshape(-1))
+        return rows_ops._take(back, self.rows_of.reshape(-1))
 
 
 @dataclass
@@ -321,12 +321,12 @@ class HopSlots:
         got = all_to_all(sent, None, None, self.rail, f)
         picked = got[self.fwd_idx.clamp(min=0), self.fwd_slot.clamp(min=0)]
         picked = torch.where(self.fwd_idx < 0, 0, picked)
-        return _take_values(all_to_all(picked, None, None, self.node, f), self.src_row)
+        return rows_ops._take(all_to_all(picked, None, None, self.node, f), self.src_row)
 
     def to_slots(self, rows: torch.Tensor) -> torch.Tensor:
         """The reverse: rows [N] -> [T * k], each slot's row's value (0: dropped)."""
         f = self.functional
-        back = all_to_all(_take_values(rows.contiguous(), self.out_row), None, None, self.node, f)
+        back = all_to_all(rows_ops._take(rows.contiguous(), self.out_row), None, None, self.node, f)
         k = self.all_rows.shape[1]
         spread = back.new_zeros((self.rows + 1, k))
         at = torch.where(self.fwd_idx < 0, self.rows, self.fwd_idx)
@@ -335,16 +335,3 @@ class HopSlots:
         slot = torch.arange(k, device=got.device).expand_as(self.all_rows)
         picked = got[self.all_rows.clamp(min=0), slot]
         return torch.where(self.all_rows < 0, 0, picked).reshape(-1)
-
-
-def _take_values(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """values [n] -> [len(index)]: values[index[i]], 0 where index[i] is -1."""
-    if values.numel() == 0:
-        return values.new_zeros(index.shape)
-    return torch.where(index < 0, 0, values[index.clamp(min=0)])
-
-
-def _scatter_rows(values: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor:
-    """[n]: values[i] at index[i] (-1: dropped), zeros elsewhere."""
-    out = values.new_zeros((n + 1, *values.shape[1:]))
-    return out.index_copy_(0, torch.where(index < 0, n, index), values)[:n]

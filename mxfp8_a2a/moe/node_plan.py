@@ -29,6 +29,7 @@ from torch import Tensor
 
 from ..exchange.rows import wire_row
 from .plan import _rank_in_bucket, send_plan
+from .rows import put_rows
 
 
 def source_plan(
@@ -67,10 +68,8 @@ def source_ids(values: Tensor, node_rows: Tensor, n_rows: int, fill: float = 0) 
     """[n_rows, k] in values' dtype: the k values of the token of each stage-1 row (its
     expert ids, or its slot weights), ``fill`` in rows no token uses."""
     t, k = values.shape
-    out = values.new_full((n_rows + 1, k), fill)
     token = torch.arange(t, device=values.device)[:, None].expand(t, k).reshape(-1)
-    row = node_rows.reshape(-1)
-    return out.index_copy_(0, torch.where(row < 0, n_rows, row), values[token])[:n_rows]
+    return put_rows(values[token], node_rows.reshape(-1), n_rows, fill)
 
 
 def forward_plan(
@@ -92,10 +91,7 @@ def forward_plan(
     sum_rows, counts, stats = send_plan(local, experts_per_node, ranks_per_node, capacity)
     r1, k = ids.shape
     src = torch.arange(r1 * k, device=ids.device)
-    row = torch.where(sum_rows.reshape(-1) < 0, n_rows, sum_rows.reshape(-1))
-    fwd = torch.full((n_rows + 1,), -1, dtype=torch.int64, device=ids.device)
-    fwd.index_copy_(0, row, src)
-    fwd = fwd[:n_rows]
+    fwd = put_rows(src, sum_rows.reshape(-1), n_rows, -1)  # (row * k + slot)
     fwd_idx = torch.where(fwd < 0, -1, fwd.div(max(k, 1), rounding_mode="floor"))
     return sum_rows, fwd_idx, torch.where(fwd < 0, -1, fwd % max(k, 1)), counts, stats
 
@@ -142,7 +138,7 @@ def sent_bytes(handle, topology=None) -> dict[str, dict[str, int]]:
             "sent_bytes takes the handle of mxfp8_a2a.dispatch; the static dispatch sends "
             "fixed buffers (W * capacity rows each way, per hop on a node-aware route)"
         )
-    if handle.nodes is not None:
+    if handle.topology is not None:  # (a node-aware handle's own)
         topology = handle.topology
     rank = dist.get_rank(handle.group) if dist.is_initialized() else 0
     g = topology.ranks_per_node if topology is not None else len(handle.input_splits)
@@ -156,15 +152,16 @@ def sent_bytes(handle, topology=None) -> dict[str, dict[str, int]]:
             if peer != mine:
                 into["within" if node_of(peer) == me else "between"] += n * per_row
 
+    stages = handle.nodes
     for leg in LEGS:
         back = leg in ("dispatch_bwd", "combine_fwd")
-        if (stages := handle.nodes) is None:
+        if stages is None:
             rows = handle.output_splits if back else handle.input_splits
             add(out[leg], rows, size[wires[leg]], lambda r: r // g, rank)
         else:
             add(out[leg], stages.rail_splits[back], size[wires[leg]], lambda n: n, me)
             add(out[leg], stages.node_splits[back], size[wires[leg]], lambda i: me, local)
-    if (stages := handle.nodes) is not None:
+    if stages is not None:
         k = handle.rows_of.shape[1]
         add(out["metadata"], stages.rail_splits[0], 4 * k, lambda n: n, me)  # the ids
         for rows in (handle.input_splits, handle.output_splits):  # weights and gradients

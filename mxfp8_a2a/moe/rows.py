@@ -71,11 +71,17 @@ def slot_sum_reference(rows: torch.Tensor, pos: torch.Tensor, weights: torch.Ten
 
 
 def _take(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """t[index] with zero rows where index is -1."""
+    """t[index] with zero rows where index is -1 (t of any number of dimensions)."""
     if t.shape[0] == 0:  # (every index is -1)
         return t.new_zeros((index.numel(), *t.shape[1:]))
     rows = t.index_select(0, index.clamp(min=0))
-    return rows.masked_fill((index < 0)[:, None], 0)
+    return rows.masked_fill((index < 0).view(-1, *[1] * (t.dim() - 1)), 0)
+
+
+def put_rows(values: torch.Tensor, index: torch.Tensor, n: int, fill: float = 0):
+    """[n, ...] filled with ``fill``, values[i] at row index[i] (-1: left out)."""
+    out = values.new_full((n + 1, *values.shape[1:]), fill)
+    return out.index_copy_(0, torch.where(index < 0, n, index), values)[:n]
 
 
 def scatter_encode_reference(
@@ -83,13 +89,8 @@ def scatter_encode_reference(
 ) -> torch.Tensor:
     """x [T, H], rows_of int64 [T, k] (slot of each copy, -1: none; distinct otherwise) ->
     a wire buffer of n_rows rows holding encode(x[t]) at every rows_of[t, j] (others zero)."""
-    shape, dtype = wire_shape(n_rows, x.shape[1], x.dtype, wire)
-    buf = torch.zeros((n_rows + 1, *shape[1:]), dtype=dtype, device=x.device)
-    k = rows_of.shape[1]
-    index = rows_of.reshape(-1)
-    rows = encode(x, wire, scaling_mode).repeat_interleave(k, dim=0)
-    buf.index_copy_(0, torch.where(index < 0, n_rows, index), rows)
-    return buf[:n_rows]
+    rows = encode(x, wire, scaling_mode).repeat_interleave(rows_of.shape[1], dim=0)
+    return put_rows(rows, rows_of.reshape(-1), n_rows)
 
 
 def gather_encode_reference(

@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..exchange import agreement
 from ..exchange.checks import group_rank_and_size
+from ..exchange.nccl import NCCL
 
 
 class NodeTopology:
@@ -80,12 +81,39 @@ class NodeTopology:
         return f"{self.nodes}x{self.ranks_per_node}"
 
 
+def spans(topology: NodeTopology | None) -> bool:
+    """Whether ``topology`` asks for the node-aware route (a NodeTopology of 2+ nodes)."""
+    return topology is not None and topology.spans_nodes
+
+
+def topology_error(topology, group, transport) -> str | None:
+    """What is wrong with a dispatch's ``topology`` for its group and transport, or None."""
+    if topology is None:
+        return None
+    if not isinstance(topology, NodeTopology):
+        return f"topology must be a NodeTopology or None, got {type(topology).__name__}"
+    if not same_group(topology.group, group):
+        return "topology must be built on dispatch's group (NodeTopology(group, ...))"
+    if topology.spans_nodes and transport is not NCCL:
+        return "the node-aware route (topology) moves rows with all_to_all_single: transport='nccl'"
+    return None
+
+
+def group_ranks(group: dist.ProcessGroup | None) -> list[int]:
+    """The global ranks of ``group`` (None: the world) in group-rank order."""
+    return list(dist.get_process_group_ranks(group or dist.group.WORLD))
+
+
 def same_group(a: dist.ProcessGroup | None, b: dist.ProcessGroup | None) -> bool:
     """Whether two groups (None: the world) hold the same ranks in the same order."""
-    if a is b:
-        return True
-    ranks = [dist.get_process_group_ranks(x or dist.group.WORLD) for x in (a, b)]
-    return ranks[0] == ranks[1]
+    return a is b or group_ranks(a) == group_ranks(b)
+
+
+def _torchrun_hosts(group: dist.ProcessGroup | None) -> list[int] | None:
+    """The node of each of the group's ranks by torchrun (global rank // LOCAL_WORLD_SIZE),
+    None without LOCAL_WORLD_SIZE."""
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    return None if local is None else [r // int(local) for r in group_ranks(group)]
 
 
 def _sub_groups(group, g: int, node: int, local: int):
@@ -93,8 +121,7 @@ def _sub_groups(group, g: int, node: int, local: int):
     rank makes every sub-group, in one order (what new_group asks of the world's ranks);
     for a smaller group only its ranks make theirs (use_local_synchronization), so every
     rank of the group must build its NodeTopologies in the same order as the others."""
-    ranks = list(dist.get_process_group_ranks(group)) if group is not None else None
-    ranks = ranks or list(range(dist.get_world_size()))
+    ranks = group_ranks(group)
     nodes, backend = len(ranks) // g, dist.get_backend(group)
     rails = [[ranks[n * g + i] for n in range(nodes)] for i in range(g)]
     blocks = [ranks[n * g : (n + 1) * g] for n in range(nodes)]
@@ -128,9 +155,8 @@ def _ranks_per_node(group, world, ranks_per_node, mesh) -> tuple[str | None, int
             return "pass mesh or ranks_per_node, not both", 1
         if mesh.ndim != 2:
             return f"mesh must be 2-D (nodes, ranks per node), got {mesh.ndim}-D", 1
-        flat = mesh.mesh.flatten().tolist()
-        ranks = dist.get_process_group_ranks(group) if group is not None else range(world)
-        if flat != list(ranks):
+        flat, ranks = mesh.mesh.flatten().tolist(), group_ranks(group)
+        if flat != ranks:
             return (
                 f"mesh's ranks {flat} (row-major) must be the group's ranks {ranks}; pass the "
                 "expert-parallel group the mesh covers",
@@ -138,11 +164,8 @@ def _ranks_per_node(group, world, ranks_per_node, mesh) -> tuple[str | None, int
             )
         return None, mesh.size(1)
     if ranks_per_node is None:
-        local = os.environ.get("LOCAL_WORLD_SIZE")
-        if local is None:
+        if (hosts := _torchrun_hosts(group)) is None:
             return None, world
-        ranks = dist.get_process_group_ranks(group) if group is not None else range(world)
-        hosts = [r // int(local) for r in ranks]
         index = {h: i for i, h in enumerate(dict.fromkeys(hosts))}  # (nodes in group order)
         nodes = [index[h] for h in hosts]
         ranks_per_node = nodes.count(0)
@@ -150,8 +173,8 @@ def _ranks_per_node(group, world, ranks_per_node, mesh) -> tuple[str | None, int
         if nodes != expected and len(index) > 1:
             return (
                 f"the group's ranks lie on nodes {hosts} (global rank // LOCAL_WORLD_SIZE="
-                f"{local}): each node must hold the same number of consecutive group ranks; "
-                "pass ranks_per_node or a mesh",
+                f"{os.environ['LOCAL_WORLD_SIZE']}): each node must hold the same number of "
+                "consecutive group ranks; pass ranks_per_node or a mesh",
                 1,
             )
         return None, ranks_per_node if len(index) > 1 else world
@@ -176,10 +199,8 @@ def shared_topology(
     (LOCAL_WORLD_SIZE), and None without any collective where the group's ranks lie on one
     node. Every rank of the group must call it alike (it may build a NodeTopology)."""
     if ranks_per_node is None:
-        local = os.environ.get("LOCAL_WORLD_SIZE")
-        ranks = dist.get_process_group_ranks(group) if group is not None else None
-        ranks = ranks or range(dist.get_world_size())
-        if local is None or len({r // int(local) for r in ranks}) < 2:
+        hosts = _torchrun_hosts(group)
+        if hosts is None or len(set(hosts)) < 2:
             return None
     key = (group if group is not None else "world", ranks_per_node)
     if key not in _shared:
