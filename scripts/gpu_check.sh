@@ -12,7 +12,7 @@ out=${1:?usage: scripts/gpu_check.sh OUTDIR [stage...]}
 shift
 stages=${*:-all}
 here=$(cd "$(dirname "$0")/.." && pwd)
-export PYTHONPATH="$here" PYTHONUNBUFFERED=1
+export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1  # (carried packages after the repo)
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "nccl", torch.cuda.nccl.version())' | tee -a "$out/gpu.txt"

@@ -315,8 +315,10 @@ class ExpertParallelMoE(torch.nn.Module):
         weights, ids, probs = _route(logits, self.top_k, self.expert_bias, self.route_groups)
         self._routing = (probs, ids)  # for balance_loss(): references, no work until read
         if self.expert_load is not None and torch.is_grad_enabled():  # (training steps)
-            with torch.no_grad():
-                self.expert_load.add_(torch.bincount(ids.flatten(), minlength=self.num_experts))
+            with torch.no_grad():  # (no bincount: it reads the largest id on the host)
+                flat = ids.flatten()
+                load = self.expert_load
+                load.scatter_add_(0, flat, torch.ones_like(flat, dtype=load.dtype))
         if self.static:
             return self._forward_static(x, weights, ids)
         ex, _, handle = dispatch(x, ids, self.num_experts, self.group, exchange=self.wires,
