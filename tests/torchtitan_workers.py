@@ -23,9 +23,9 @@ from mxfp8_a2a.torchtitan import MXFP8TokenDispatcher, mxfp8_dispatch
 BF16_U = 2.0**-8  # bf16's unit roundoff
 
 
-def ep_mesh(world: int):
+def ep_mesh(world: int, device: str = "cpu"):
     set_spmd_backend("partial_dtensor")  # torchtitan's tests do this first
-    return init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    return init_device_mesh(device, (world,), mesh_dim_names=("ep",))
 
 
 def debug_moe_config(dim: int | None = None) -> MoE.Config:
@@ -101,10 +101,10 @@ def normwise(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def moe_bf16_matches_torchtitan(rank, world, seed, tokens, dim):
+def moe_bf16_matches_torchtitan(rank, world, seed, tokens, dim, device="cpu"):
     """torchtitan's MoE block with its own dispatcher and with ours on the bf16 wire: the
-    largest normwise relative difference of the output and each gradient."""
-    mesh = ep_mesh(world)
+    largest normwise relative difference of the output and each gradient (on ``device``)."""
+    mesh = ep_mesh(world, device)
     cfg = debug_moe_config(dim)
     ours_cfg = dataclasses.replace(cfg)
     rexp = dataclasses.replace(cfg.routed_experts)
@@ -113,8 +113,9 @@ def moe_bf16_matches_torchtitan(rank, world, seed, tokens, dim):
     gen = torch.Generator().manual_seed(seed * 10 + rank)
     x = torch.randn(2, tokens, cfg.routed_experts.inner_experts.dim, generator=gen).bfloat16()
     g = torch.randn(x.shape, generator=gen)
-    theirs = run_moe(local_moe(cfg, rank, world, seed, mesh), x, g)
-    ours = run_moe(local_moe(ours_cfg, rank, world, seed, mesh), x, g)
+    x, g = x.to(device), g.to(device)
+    theirs = run_moe(local_moe(cfg, rank, world, seed, mesh).to(device), x, g)
+    ours = run_moe(local_moe(ours_cfg, rank, world, seed, mesh).to(device), x, g)
     assert theirs.keys() == ours.keys()
     return {k: normwise(ours[k], theirs[k]) for k in theirs}
 
@@ -143,13 +144,13 @@ def _through(dispatcher, x, ids, scores, g, experts):
                 out=out.detach(), x=x.grad, s=s.grad, md=md)  # fmt: skip
 
 
-def dispatcher_bf16_bounds(rank, world, seed, tokens, top_k, per_rank, dim):
+def dispatcher_bf16_bounds(rank, world, seed, tokens, top_k, per_rank, dim, device="cpu"):
     """Our dispatcher (bf16 wire) against torchtitan's AllToAllTokenDispatcher, elementwise:
     the rows and counts the experts get must be equal; out, the scores' and x's gradients
     within the rounding bounds of the two combines (see test_torchtitan.py)."""
-    mesh = ep_mesh(world)
+    mesh = ep_mesh(world, device)
     experts = per_rank * world
-    x, ids, scores, g = _inputs(rank, seed, tokens, top_k, experts, dim)
+    x, ids, scores, g = (t.to(device) for t in _inputs(rank, seed, tokens, top_k, experts, dim))
     cfg = AllToAllTokenDispatcher.Config(num_experts=experts, top_k=top_k)
     tt = cfg.build()
     tt.wire_meshes(ep_mesh=mesh)
@@ -178,10 +179,13 @@ def dispatcher_bf16_bounds(rank, world, seed, tokens, top_k, per_rank, dim):
     return worst_out, worst_x.max().item(), worst_s
 
 
-def dispatcher_matches_legs_model(rank, world, seed, tokens_by_rank, top_k, per_rank, wire, dim):
+def dispatcher_matches_legs_model(
+    rank, world, seed, tokens_by_rank, top_k, per_rank, wire, dim, device="cpu"
+):
     """Our dispatcher with an MXFP8 preset against the plain-torch model of its legs (the
-    wire tests' model): rows, their gradients, out and x's gradient bit for bit."""
-    mesh = ep_mesh(world)
+    wire tests' model, on the CPU): rows, their gradients, out and x's gradient bit for bit
+    (the dispatcher on ``device``)."""
+    mesh = ep_mesh(world, device)
     experts = per_rank * world
     wires = mx.WIRE_PRESETS[wire]
     want_rows, want_grads, want_out, want_gx, want_gw, gw_abs = model(
@@ -193,7 +197,8 @@ def dispatcher_matches_legs_model(rank, world, seed, tokens_by_rank, top_k, per_
     cfg = AllToAllTokenDispatcher.Config(num_experts=experts, top_k=top_k)
     ours = mxfp8_dispatch(cfg, wire=wire).build()
     ours.wire_meshes(ep_mesh=mesh)
-    r = _through(ours, x, ids, w, g, experts)
+    r = _through(ours, x.to(device), ids.to(device), w.to(device), g.to(device), experts)
+    r = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in r.items()}
     assert torch.equal(r["routed"], torch.cat(want_rows)), "rows"
     assert r["per_expert"].tolist() == [len(v) for v in want_rows]
     assert torch.equal(r["y_grad"], torch.cat(want_grads)), "rows' gradients"
@@ -358,25 +363,26 @@ def mistake_error(rank, world, case):
     return None
 
 
-def static_against_synced(rank, world, seed, wire, compiled):
+def static_against_synced(rank, world, seed, wire, compiled, device="cpu"):
     """The debug MoE block on our static dispatcher (dropless; compiled with fullgraph as
     torchtitan compiles blocks, if ``compiled``) against the synced one, eager: the normwise
-    relative difference of out and each gradient."""
+    relative difference of out and each gradient (on ``device``)."""
     from mxfp8_a2a.torchtitan import mxfp8_dispatch_static
 
-    mesh = ep_mesh(world)
+    mesh = ep_mesh(world, device)
     results = []
     for factory in (mxfp8_dispatch, mxfp8_dispatch_static):
         cfg = debug_moe_config()
         cfg.routed_experts.token_dispatcher = factory(
             cfg.routed_experts.token_dispatcher, wire=wire
         )
-        block = local_moe(cfg, rank, world, seed, mesh)
+        block = local_moe(cfg, rank, world, seed, mesh).to(device)
         if compiled and factory is mxfp8_dispatch_static:
             block.compile(fullgraph=True)
         gen = torch.Generator().manual_seed(seed * 10 + rank)
         x = torch.randn(2, 16, 256, generator=gen).bfloat16()
-        results.append(run_moe(block, x, torch.randn(x.shape, generator=gen)))
+        g = torch.randn(x.shape, generator=gen)
+        results.append(run_moe(block, x.to(device), g.to(device)))
     synced, static = results
     return {k: normwise(static[k], synced[k]) for k in synced}
 
