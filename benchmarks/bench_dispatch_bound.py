@@ -2,15 +2,16 @@
 
     torchrun --nproc-per-node=1 benchmarks/bench_dispatch_bound.py --json out.json
 
-One rank by default (the exchange is then a device-to-device copy, so memory bandwidth is
-the ceiling): tokens x hidden, top-k of the rank's experts, host-synced and static paths,
+One rank by default (a group of one rank skips the exchange: memory bandwidth is the
+ceiling): tokens x hidden, top-k of the rank's experts, host-synced and static paths,
 bf16 and MXFP8 wires, expert rows y = rows (no expert compute). Per variant: the median ms of
 forward and of forward + backward (CUDA events, a barrier and a sync before each step), the
 byte model's bound at the copy bandwidth measured here, their ratio, and the GPU time of the
 slowest kernels (torch.profiler). The model counts, per leg, its input read once, its output
 written once and the wire rows four times (written by the encoder, read and written by the
-exchange, read by the decoder): dispatch forward reads x [T, D] and writes the experts' rows
-[R, D] (R = T * k); combine forward the reverse; combine backward also reads y once more (the
+exchange, read by the decoder; twice at one rank, which skips the exchange): dispatch
+forward reads x [T, D] and writes the experts' rows [R, D] (R = T * k); combine forward the
+reverse; combine backward also reads y once more (the
 weights' gradient); wire rows cost D * 2 bytes (bf16) or D * 33 / 32 (MXFP8).
 --ncu-step: run one untimed forward + backward per variant between cudaProfilerStart/Stop
 (for ncu --profile-from-start off).
@@ -31,13 +32,13 @@ from mxfp8_a2a.moe.routing import route
 WIRE_BYTES = {"bf16": 2.0, "mxfp8": 33 / 32}  # per value on the wire
 
 
-def model_bytes(tokens: int, dim: int, top_k: int, wire: str, backward: bool) -> dict:
+def model_bytes(tokens: int, dim: int, top_k: int, wire: str, backward: bool, world: int) -> dict:
     """The byte model of the module docstring: {"io": inputs and outputs, "wire": wire rows}."""
     t, r = tokens * dim * 2, tokens * top_k * dim * 2
     w = tokens * top_k * dim * WIRE_BYTES[wire]
     legs = 4 if backward else 2
     io = (t + r) * legs + (r if backward else 0)
-    return {"io": io, "wire": 4 * w * legs}
+    return {"io": io, "wire": (4 if world > 1 else 2) * w * legs}
 
 
 def copy_gbps(nbytes: int = 1 << 31) -> float:
@@ -105,7 +106,7 @@ def main() -> None:
             for backward in (False, True):
                 key = "fwd+bwd" if backward else "fwd"
                 ms = timer(lambda _, p=path, w=wire, b=backward: step(p, w, b))
-                m = model_bytes(args.tokens, args.dim, args.top_k, wire, backward)
+                m = model_bytes(args.tokens, args.dim, args.top_k, wire, backward, world)
                 bound = (m["io"] + m["wire"]) / ceiling / 1e6
                 row |= {f"{key} ms": ms, f"{key} bound ms": bound, f"{key} / bound": ms / bound}
                 row[f"{key} GB"] = (m["io"] + m["wire"]) / 1e9
