@@ -19,3 +19,7 @@ timeout 150 ncu --clock-control none --profile-from-start off --csv --metrics \
   gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum \
   torchrun --nproc-per-node=1 "$b/bench_dispatch_bound.py" --ncu-step > "$out/ncu.csv" 2> "$out/ncu.err"
 tail -3 "$out/ncu.err"; wc -l "$out/ncu.csv"
+# torchtitan's checks on CUDA tensors at one rank (NCCL)
+timeout 200 python3 -m pytest -q -rs --timeout 190 -p no:cacheprovider "$here/tests/test_torchtitan_gpu.py" \
+  > "$out/test_torchtitan_gpu.log" 2>&1
+tail -5 "$out/test_torchtitan_gpu.log"
