@@ -97,7 +97,8 @@ def graph_replays_equal_eager(rank, world, name, replays, device="cuda"):
 
 def compiled_matches_eager(rank, world, name, device="cuda"):
     """torch.compile(fullgraph=True) of the forward with the option on; the step's output,
-    gradients and bias close to eager's (Inductor fuses, so not bit for bit)."""
+    gradients and bias close to eager's, normwise: Inductor fuses the router's product
+    differently, so a few tokens near a tie choose another expert (~1% of the rows)."""
     options, coef, update = OPTIONS[name]
     torch.manual_seed(0)
     layer = _layer(options, device)
@@ -117,9 +118,9 @@ def compiled_matches_eager(rank, world, name, device="cuda"):
         if update:
             layer.update_balance_bias(1e-2)
         ref = _step(eager, xe, grad, coef, update)
-        torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
-        for a, b in zip(_state(layer, xc), _state(eager, xe), strict=True):
-            torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+        for a, b in zip([out] + _state(layer, xc), [ref] + _state(eager, xe), strict=True):
+            diff = (a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)
+            assert diff < 0.1, (name, diff.item())
     return True
 
 
