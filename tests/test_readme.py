@@ -39,3 +39,15 @@ def test_quick_start_runs_under_torchrun(tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("'dropped': 0") == 2, result.stdout  # both ranks ran the layer
+
+
+def test_readme_commands_are_what_ci_runs():
+    """The install and quick check of README's shell block, and its full-suite command, are
+    lines of .ci/run (so CI runs what a user is told to run)."""
+    ci = (README.parent / ".ci" / "run").read_text()
+    shell = re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S)
+    commands = [line.split("#")[0].strip() for block in shell for line in block.splitlines()]
+    commands = [c.replace("pip install", "python -m pip install -q") for c in commands if c]
+    assert commands and all(c in ci for c in commands), commands
+    suite = "python -m pytest -q tests"
+    assert f"`{suite}`" in README.read_text() and f"\n{suite}\n" in ci
