@@ -272,7 +272,8 @@ def held_out_bpb(net, evals: torch.Tensor, weights: torch.Tensor, a, device, aut
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=Help)  # fmt: skip
-    p.add_argument("--size", choices=tuple(SIZES), default="toy")
+    p.add_argument("--size", choices=tuple(SIZES), default="toy",
+                   help="toy: CPU, seconds a step; gpu: the H100 runs' model")  # fmt: skip
     for field, value in SIZES["toy"].items():
         p.add_argument(f"--{field.replace('_', '-')}", type=type(value), help="(size's value)")
     p.add_argument("--exchange", default="mxfp8",
@@ -281,13 +282,13 @@ def parse_args(argv=None):
     p.add_argument("--capacity-factor", type=float, default=2.0, help="static dispatch's room")
     p.add_argument("--aux-loss", type=float, default=0.01, help="load-balancing loss weight")
     p.add_argument("--tie-head", action="store_true", help="output head = embedding")
-    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW's, matrices only")
     p.add_argument("--clip", type=float, default=1.0, help="gradient norm clipping")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="weights and training batches")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                    help="activations (auto: bfloat16 on CUDA, float32 on CPU)")  # fmt: skip
     p.add_argument("--compile", action="store_true", help="torch.compile the model (fullgraph)")
-    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--log-every", type=int, default=10, help="steps between progress lines")
     p.add_argument("--json", help="write config, corpus, curves and results here (rank 0)")
     a = p.parse_args(argv)
     for field, value in SIZES[a.size].items():
