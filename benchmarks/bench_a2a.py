@@ -196,16 +196,18 @@ HEADERS = [
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=Help)
     p.add_argument("--shape", action="append", help="TOKENSxDIM per rank (repeatable)")
-    p.add_argument("--splits", choices=["equal", "skewed", "hot"], default="equal")
+    p.add_argument("--splits", choices=["equal", "skewed", "hot"], default="equal",
+                   help="rows per destination (see above)")  # fmt: skip
     p.add_argument("--iters", type=int, default=20, help="timed iterations (median; default 20)")
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=5, help="untimed iterations first")
     p.add_argument(
         "--transport",
         action="append",
         help="MXFP8 transport: nccl (default), copy_engine or copy_engine:R (R row ranges;"
         " two ranks on CUDA GPUs); repeat to compare",
     )
-    p.add_argument("--scaling-mode", choices=["rceil", "floor"], default="rceil")
+    p.add_argument("--scaling-mode", choices=["rceil", "floor"], default="rceil",
+                   help="how each block's power-of-two scale is rounded")  # fmt: skip
     p.add_argument(
         "--graphs",
         action="store_true",

@@ -301,7 +301,7 @@ def main() -> None:
     # fmt: off
     p.add_argument("--tokens", type=int, default=4096, help="per rank")
     p.add_argument("--hidden", type=int, help="default 2048 on CUDA, 256 on CPU")
-    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=8, help="experts per token")
     p.add_argument("--experts", type=int, default=16, help="in all (a multiple of the world)")
     p.add_argument("--routing", action="append", choices=ROUTINGS, help="repeatable")
     p.add_argument("--exchange", action="append", choices=EXCHANGES, help="repeatable")

@@ -68,7 +68,10 @@ def model(args) -> list[dict]:
     rows = []
     for nodes in args.nodes:
         ranks = nodes * args.per_node
-        for limit in (None, args.max_nodes):
+        limits = [None]  # node-limited routing only where it limits: M < nodes
+        if args.max_nodes is not None and 0 < args.max_nodes < nodes:
+            limits.append(args.max_nodes)
+        for limit in limits:
             ids = draw_ids(args.tokens, args.experts, args.top_k, nodes, limit, args.seed)
             # (a rank's tokens; the source's local index does not change the counts' law)
             per = rows_per_token(ids, 0, args.experts, ranks, args.per_node)
@@ -87,7 +90,7 @@ def model(args) -> list[dict]:
                         nv = within * b * args.tokens / (args.nvlink_gbs * 1e9) * 1e3
                         t.append(ib + nv if route == "node" else max(ib, nv))
                     row[f"{preset}_KB"] = round(kb, 1)
-                    row[f"{preset}_ms"] = round(sum(t), 2)
+                    row[f"{preset}_ms_modelled"] = round(sum(t), 2)
                 rows.append(row)
     return rows
 
@@ -144,20 +147,20 @@ def time_routes(args, device, topo) -> list[dict]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=Help)
-    p.add_argument("--nodes", type=int, nargs="+", default=[2, 4, 8, 16])
+    p.add_argument("--nodes", type=int, nargs="+", default=[2, 4, 8, 16], help="node counts")
     p.add_argument("--per-node", type=int, default=8, help="GPUs per node")
     p.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
-    p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--experts", type=int, default=256)
-    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=7168, help="values per row")
+    p.add_argument("--experts", type=int, default=256, help="in all")
+    p.add_argument("--top-k", type=int, default=8, help="experts per token")
     p.add_argument("--max-nodes", type=int, default=4, help="the node-limited routing's M")
     p.add_argument("--ib-gbs", type=float, default=50.0, help="GB/s per GPU between nodes")
     p.add_argument("--nvlink-gbs", type=float, default=450.0, help="GB/s per GPU in a node")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="of the routing's random logits")
     p.add_argument("--check", type=int, default=0, help="ranks per emulated node (torchrun)")
     p.add_argument("--time", action="store_true", help="time flat vs node-aware (torchrun)")
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--iters", type=int, default=20, help="--time: timed iterations")
+    p.add_argument("--warmup", type=int, default=5, help="--time: untimed first")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args()
     distributed = args.check > 0
@@ -176,14 +179,16 @@ def main() -> None:
             out["time"] = time_routes(args, device, topo)
     if not distributed or dist.get_rank() == 0:
         print(tabulate(rows, headers="keys"))
-        print(f"KB: per token and step, the four legs, between nodes; ms: per step and rank, "
-              f"{args.tokens} tokens, {args.ib_gbs} GB/s between nodes, {args.nvlink_gbs} "
-              f"within")  # fmt: skip
+        print(
+            f"rows: per token and leg; KB: per token and step (the four legs), between "
+            f"nodes; ms_modelled: per step and rank, {args.tokens} tokens, at an assumed "
+            f"{args.ib_gbs} GB/s between nodes and {args.nvlink_gbs} within (not measured)"
+        )
         if distributed:
             print(f"check: sent_bytes equal the model on every leg ({len(out['check'])} legs)")
         if "time" in out:
             shape = f"{args.tokens}x{args.hidden}, {args.experts} experts top-{args.top_k}"
-            print(f"dispatch + combine, forward + backward, ms ({device.type}, {shape}):")
+            print(f"measured: dispatch + combine, forward + backward, ms ({device.type}, {shape}):")
             print(tabulate(out["time"], headers="keys"))
         if args.json:
             with open(args.json, "w") as f:

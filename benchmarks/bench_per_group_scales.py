@@ -73,9 +73,10 @@ def same(a, b) -> bool:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=Help)
-    p.add_argument("--json")
+    p.add_argument("--json", help="write the results to this JSON file")
     p.add_argument("--check", action="store_true", help="compare bits with the reference")
-    p.add_argument("--groups", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--groups", type=int, nargs="+", default=[1, 16, 64],
+                   help="numbers of jagged groups to time")  # fmt: skip
     p.add_argument(
         "--layout", action="append", choices=LAYOUT_NAMES, help="only these layouts (repeatable)"
     )

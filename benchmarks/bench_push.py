@@ -107,7 +107,7 @@ def bench(name, t, h, k, experts, w, factor):
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=Help)
-    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
+    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8], help="ranks emulated")
     p.add_argument("--factor", type=float, default=1.25, help="capacity factor")
     p.add_argument("--json", help="write the results to this JSON file")
     args = p.parse_args(argv)

@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--shape", action="append", help=f"RxC (repeatable); default: {' '.join(DEFAULT_SHAPES)}"
     )
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")
     p.add_argument("--tile", type=int, action="append", help="ROW_SCALES_TILE to try")
     p.add_argument("--warps", type=int, action="append", help="ROW_SCALES_NUM_WARPS to try")
     p.add_argument("--json", help="write the results to this JSON file")

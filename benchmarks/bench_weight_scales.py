@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--shape", action="append", help=f"ExKxN (repeatable); default: {' '.join(DEFAULT_SHAPES)}"
     )
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")
     p.add_argument("--setting", action="append", default=[], help="KEY=VALUE,... to try")
     p.add_argument("--json", help="write the results to this JSON file")
     args = p.parse_args(argv)

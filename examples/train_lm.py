@@ -272,21 +272,23 @@ def held_out_bpb(net, evals: torch.Tensor, weights: torch.Tensor, a, device, aut
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=Help)  # fmt: skip
-    p.add_argument("--size", choices=tuple(SIZES), default="toy")
+    p.add_argument("--size", choices=tuple(SIZES), default="toy",
+                   help="toy: CPU, seconds a step; gpu: the H100 runs' model")  # fmt: skip
     for field, value in SIZES["toy"].items():
         p.add_argument(f"--{field.replace('_', '-')}", type=type(value), help="(size's value)")
-    p.add_argument("--exchange", default="bf16", help="the MoE layers' exchange (the layer checks)")
+    p.add_argument("--exchange", default="mxfp8",
+                   help="the MoE layers' exchange= (the layer's default)")  # fmt: skip
     p.add_argument("--precision", default="bf16", help="the experts' grouped GEMMs")
     p.add_argument("--capacity-factor", type=float, default=2.0, help="static dispatch's room")
     p.add_argument("--aux-loss", type=float, default=0.01, help="load-balancing loss weight")
     p.add_argument("--tie-head", action="store_true", help="output head = embedding")
-    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW's, matrices only")
     p.add_argument("--clip", type=float, default=1.0, help="gradient norm clipping")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="weights and training batches")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                    help="activations (auto: bfloat16 on CUDA, float32 on CPU)")  # fmt: skip
     p.add_argument("--compile", action="store_true", help="torch.compile the model (fullgraph)")
-    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--log-every", type=int, default=10, help="steps between progress lines")
     p.add_argument("--json", help="write config, corpus, curves and results here (rank 0)")
     a = p.parse_args(argv)
     for field, value in SIZES[a.size].items():
@@ -354,17 +356,18 @@ def main(argv=None) -> None:
     except ImportError:
         bar = None
     curve, pending, eval_steps, bpbs = [], [], [], []
+
+    def evaluate(done: int) -> None:  # held-out loss after `done` steps
+        eval_steps.append(done)
+        bpbs.append(held_out_bpb(net, evals, eval_weights, a, device, autocast))
+        if rank == 0 and a.json and done < a.steps:  # a run cut short keeps its curves
+            write_record(a.json, a, world, device, params, info, curve, eval_steps, bpbs)
+
     step_tokens = world * a.batch * a.seq_len
-    train_s, timed_tokens, rate, clock = 0.0, 0, float("nan"), time.perf_counter()
-    for step in range(a.steps + 1):
-        if step % a.eval_every == 0 or step == a.steps:  # held-out loss (steps done: `step`)
-            eval_steps.append(step)
-            bpbs.append(held_out_bpb(net, evals, eval_weights, a, device, autocast))
-            if rank == 0 and a.json and step < a.steps:  # a run cut short keeps its curves
-                write_record(a.json, a, world, device, params, info, curve, eval_steps, bpbs)
-            clock = time.perf_counter()
-        if step == a.steps:
-            break
+    train_s, timed_tokens, rate = 0.0, 0, float("nan")
+    evaluate(0)
+    clock = time.perf_counter()
+    for step in range(a.steps):
         batch = windows(corpus["train"], torch.randint(0, info["train_bytes"] - a.seq_len - 1,
                         (a.batch,), generator=data), a.seq_len).to(device)  # fmt: skip
         with autocast:
@@ -376,8 +379,10 @@ def main(argv=None) -> None:
         opt.step()
         sched.step()
         pending.append(loss.detach())
-        last = step + 1 == a.steps or (step + 1) % a.eval_every == 0
-        if step == 0 or last or (step + 1) % a.log_every == 0:  # one host sync
+        done = step + 1
+        evaluating = done == a.steps or done % a.eval_every == 0
+        logging = step == 0 or evaluating or done % a.log_every == 0
+        if logging:  # one host sync
             losses = torch.stack(pending)
             dist.all_reduce(losses)
             curve += (losses / world).tolist()
@@ -386,13 +391,17 @@ def main(argv=None) -> None:
                 rate = len(pending) * step_tokens / (now - clock)
                 train_s, timed_tokens = train_s + now - clock, timed_tokens + rate * (now - clock)
             pending, clock = [], now
+        if evaluating:  # before the line below, so it shows this evaluation (not timed)
+            evaluate(done)
+            clock = time.perf_counter()
+        if logging:
             speed = "" if math.isnan(rate) else f"  {rate:,.0f} tok/s"  # (none after step 1)
             stats = f"loss {curve[-1]:.4f}  held-out {bpbs[-1]:.4f} bits/byte{speed}"
             if bar is not None:
-                bar.update(step + 1 - bar.n)
+                bar.update(done - bar.n)
                 bar.set_postfix_str(stats)
             elif rank == 0:
-                print(f"step {step + 1:6d}  {stats}", flush=True)
+                print(f"step {done:6d}  {stats}", flush=True)
     if bar is not None:
         bar.close()
     check_replicas(net)

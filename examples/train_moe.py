@@ -168,7 +168,7 @@ def reload_checkpoint(args, model, net, mesh, device, x_eval, y_eval, world) -> 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=Help)
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--steps", type=int, default=60, help="optimizer steps")
     p.add_argument("--exchange", choices=mx.EXCHANGES, default="mxfp8", help="legs' wires")
     p.add_argument(
         "--transport",
@@ -185,15 +185,15 @@ def main() -> None:
     p.add_argument("--checkpoint", help="save with dcp here, reload into a fresh model")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="activations")
     p.add_argument("--tokens", type=int, default=256, help="tokens per rank per step")
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--ffn", type=int, default=256)
-    p.add_argument("--out", type=int, default=16)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--experts-per-rank", type=int, default=2)
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--hidden", type=int, default=128, help="model width")
+    p.add_argument("--ffn", type=int, default=256, help="experts' inner width")
+    p.add_argument("--out", type=int, default=16, help="regression outputs")
+    p.add_argument("--layers", type=int, default=2, help="MoE layers")
+    p.add_argument("--experts-per-rank", type=int, default=2, help="of each replica")
+    p.add_argument("--top-k", type=int, default=2, help="experts per token")
+    p.add_argument("--lr", type=float, default=3e-3, help="Adam's learning rate")
+    p.add_argument("--seed", type=int, default=0, help="weights, teacher, batches")
+    p.add_argument("--log-every", type=int, default=10, help="steps between loss lines")
     p.add_argument(
         "--eval-tokens", type=int, help="held-out tokens per rank (default: 4 * --tokens)"
     )

@@ -15,6 +15,8 @@ Layers (one subpackage each):
     grouped   -- per_group_colwise_scales, per_group_rowwise_scales (FP8 scaling of jagged
                  tensors for grouped GEMMs), grouped_mm (the experts' grouped GEMMs),
                  fp8_rowwise_weights / Fp8Weights (its FP8 weight casts, made once)
+
+After install, ``python -m mxfp8_a2a.selftest`` checks a cast, an exchange and the layer.
 """
 
 import importlib.metadata

@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import inspect
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+import mxfp8_a2a as mx
 
 ROOT = Path(__file__).parents[1]
 SCRIPT = ROOT / "examples" / "train_lm.py"
@@ -23,6 +27,7 @@ PINNED_HELD_OUT = 43  # of x/0.py .. x/999.py: the split rule as first written
 TOY = ("--size", "toy", "--steps", "24", "--eval-every", "8", "--log-every", "8")
 # clipped at every step: the replicas stay alike only if every rank clips by the same factor
 TWO_RANKS = (*TOY[:4], "--eval-every", "3", "--exchange", "mxfp8", "--clip", "0.05")
+BF16 = (*TOY, "--exchange", "bf16")
 
 
 @functools.cache
@@ -41,8 +46,8 @@ def _env() -> dict[str, str]:
 
 
 @functools.cache
-def _run(json_path: str, *args: str, ranks: int = 1) -> tuple[list[str], dict]:
-    """(stdout lines, the JSON record) of one run; ranks > 1: under torchrun."""
+def _run(json_path: str, *args: str, ranks: int = 1) -> tuple[list[str], dict, str]:
+    """(stdout lines, the JSON record, stderr) of one run; ranks > 1: under torchrun."""
     cmd = [sys.executable, str(SCRIPT)]
     if ranks > 1:
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
@@ -52,15 +57,15 @@ def _run(json_path: str, *args: str, ranks: int = 1) -> tuple[list[str], dict]:
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     with open(json_path) as f:
-        return lines, json.load(f)
+        return lines, json.load(f), proc.stderr
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, tuple[list[str], dict]]:
+def runs(tmp_path_factory) -> dict[str, tuple[list[str], dict, str]]:
     tmp = tmp_path_factory.mktemp("train_lm")
     return {
-        "bf16": _run(str(tmp / "bf16.json"), *TOY),
-        "again": _run(str(tmp / "again.json"), *TOY),
+        "bf16": _run(str(tmp / "bf16.json"), *BF16),
+        "again": _run(str(tmp / "again.json"), *BF16),
         "mxfp8_2": _run(str(tmp / "mxfp8_2.json"), *TWO_RANKS, ranks=2),
         "dir": tmp,
     }
@@ -92,7 +97,7 @@ def test_split_is_deterministic_and_disjoint(tmp_path):
 
 
 def test_toy_run_learns_and_writes_json(runs):
-    lines, record = runs["bf16"]
+    lines, record, log = runs["bf16"]
     assert lines[-1].startswith("final held-out bits/byte: "), lines[-5:]
     assert lines[0].startswith("corpus: ") and lines[1].startswith("parameters: ")
     final = float(lines[-1].split(": ")[1])
@@ -103,12 +108,16 @@ def test_toy_run_learns_and_writes_json(runs):
     assert sum(loss[-4:]) < sum(loss[:4]) - 4 * 1.0, loss
     assert record["corpus"]["sha256"] and record["tokens_per_s"] > 0
     assert record["config"]["world"] == 1 and record["dropped_rows"] >= 0
+    assert record["config"]["exchange"] == "bf16"
+    # the progress bar's (or plain lines') last held-out figure is the final one
+    shown = re.findall(r"held-out (\d+\.\d+) bits/byte", log + "\n".join(lines[:-1]))
+    assert shown and shown[-1] == f"{final:.4f}", shown[-3:]
     again = runs["again"][1]
     assert again["train_loss"] == loss and again["eval"] == record["eval"]  # one seed, one run
 
 
 def test_two_ranks_mxfp8_exchange(runs):
-    lines, record = runs["mxfp8_2"]
+    lines, record, _ = runs["mxfp8_2"]
     assert lines[-1].startswith("final held-out bits/byte: "), lines[-5:]
     assert record["config"]["world"] == 2 and record["config"]["exchange"] == "mxfp8"
     assert record["eval"]["step"] == [0, 3, 6, 9, 12, 15, 18, 21, 24]
@@ -158,6 +167,11 @@ def test_bad_arguments_named(args, message, capsys):
     with pytest.raises(SystemExit):
         train_lm().parse_args(args)
     assert message in capsys.readouterr().err
+
+
+def test_exchange_defaults_to_the_layers_default():
+    layer_default = inspect.signature(mx.ExpertParallelMoE).parameters["exchange"].default
+    assert train_lm().parse_args([]).exchange == layer_default == "mxfp8"
 
 
 def test_gpu_size():
