@@ -2,6 +2,7 @@
 
     python benchmarks/figures.py          # each figure, its value, source files, card and date
     python benchmarks/figures.py --check  # exit 1 if a document lacks a figure's current text
+                                          # or a results file is cited nowhere
 
 Each figure is computed here from files under benchmarks/results/ and quoted in the documents
 as the exact text this script prints; tests/test_figures.py runs the check, so a figure edited
@@ -171,9 +172,28 @@ def card(source: str) -> str:
 
 def missing() -> list[str]:
     """'document: figure "text"' for each quoted figure a document lacks."""
-    texts = {d: (ROOT / d).read_text() for d in (R, B)}
+    texts = {d: " ".join((ROOT / d).read_text().split()) for d in (R, B)}  # (line breaks)
     return [f'{d}: {f.name} "{f.value()}"' for f in FIGURES for d in f.docs
             if f.value() not in texts[d]]  # fmt: skip
+
+
+def uncited() -> list[str]:
+    """Files under benchmarks/results/ that neither document cites: by name, as NAME.txt`,
+    `.json, through a{b,c}d braces, or through a cited folder (results/DATE/FOLDER/)."""
+    import re
+
+    text = " ".join(" ".join((ROOT / d).read_text().split()) for d in (R, B))
+    names = set(re.findall(r"([\w.-]+)\.txt`, `\.json", text))
+    names = {n + ".json" for n in names}
+    for head, alts, tail in re.findall(r"([\w-]*)\{([\w,]+)\}([\w.-]*)", text):
+        names |= {head + alt + tail for alt in alts.split(",")}
+        names |= {head + alt + ".json" for alt in alts.split(",") if "`.json`" in text}
+    folders = re.findall(r"results/([\w-]+/[\w-]+)/", text)
+    return sorted(
+        str(f.relative_to(RESULTS)) for f in RESULTS.rglob("*") if f.is_file()
+        and f.name not in text and f.name not in names
+        and not any(str(f.relative_to(RESULTS)).startswith(d + "/") for d in folders)
+    )  # fmt: skip
 
 
 def main() -> None:
@@ -186,7 +206,10 @@ def main() -> None:
             print("figures not quoted as computed (update the document or the results file):")
             print("\n".join(problems))
             sys.exit(1)
-        print(f"all {len(FIGURES)} figures quoted as computed")
+        if files := uncited():
+            print("results files cited nowhere (cite them or delete them):", *files, sep="\n")
+            sys.exit(1)
+        print(f"all {len(FIGURES)} figures quoted as computed; every results file cited")
         return
     for f in FIGURES:
         print(f"{f.name}: {f.value()}  ({f.source}; {card(f.source)}; in {', '.join(f.docs)})")
