@@ -104,7 +104,7 @@ def test_dispatch_tells_every_transport_apart():
     from mxfp8_a2a.moe.dispatch_synced import _terms
 
     def word(exchange, transport):
-        return agreement.word(agreement.FINE, _terms(torch.zeros(2, 64), 4, exchange, transport))
+        return agreement.word(agreement.FINE, _terms(torch.zeros(2, 64), 4, 2, exchange, transport))
 
     group = object()  # the transport's group is not used by its terms
     codes = [word("mxfp8", NCCL), word("mxfp8", mx.CopyEngineTransport(group))]

@@ -37,6 +37,11 @@ _SEP = "\x1f"  # between the terms of a text
 _SAME = "every rank must pass the same"
 FIXES = {
     "num_experts": f"{_SAME} num_experts",
+    "top_k": f"{_SAME} top-k (topk_ids.shape[1], the experts of each token)",
+    "LOCAL_WORLD_SIZE": "start every rank with the same LOCAL_WORLD_SIZE (nodes of one size), "
+    "or pass ranks_per_node or a mesh to NodeTopology",
+    "process groups made before": "make the same process groups, in the same order, on every "
+    "rank of the group before its NodeTopology (new_group names a sub-group by this count)",
     "x.shape[1]": f"{_SAME} x.shape[1] (K, the hidden size)",
     "x.dtype": f"pass x in the same dtype on every rank ({_SAME} x.dtype)",
     "exchange": f"{_SAME} exchange",

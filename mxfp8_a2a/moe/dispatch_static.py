@@ -240,6 +240,7 @@ def dispatch_static(
             raise ValueError(problem)
         if spans(topology):  # (the counts travel within the node: agree on num_experts)
             text += f"{SEP}topology={topology.terms()}{SEP}num_experts={num_experts}"
+        text += f"{SEP}top_k={topk_ids.shape[1]}"
     except (TypeError, ValueError) as e:
         if push is None and not dist.is_initialized():  # (no group to tell)
             raise

@@ -101,10 +101,10 @@ class DispatchHandle:
                      nodes=self.nodes)  # fmt: skip
 
 
-def _terms(x: torch.Tensor, num_experts: int, exchange, transport: Transport, topology=None) -> str:
+def _terms(x, num_experts: int, k: int, exchange, transport: Transport, topology=None) -> str:
     """What the counts and the exchanges depend on (agreement.py's terms text)."""
     grad = torch.is_grad_enabled() and x.requires_grad
-    terms = {"num_experts": num_experts, "x.shape[1]": x.shape[1], "x.dtype": x.dtype}
+    terms = {"num_experts": num_experts, "top_k": k, "x.shape[1]": x.shape[1], "x.dtype": x.dtype}
     if spans(topology):
         terms["topology"] = topology.terms()
     wires = leg_pair(exchange, "dispatch") + combine_default(exchange)
@@ -191,7 +191,7 @@ def dispatch_reporting(
             raise ValueError(problem)
         if "mxfp8" in leg_pair(exchange, "dispatch"):
             chosen.check(x.device, group)
-        terms = _terms(x, num_experts, exchange, chosen, topology)
+        terms = _terms(x, num_experts, topk_ids.shape[1], exchange, chosen, topology)
     except Exception as e:  # every rank learns of it through the counts all-to-all
         error = e
     # every rank sends every rank [its agreement word, INLINE counts]: the same size on
