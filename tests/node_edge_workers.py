@@ -86,9 +86,9 @@ def top_k_differs_raises_alike(rank, world):
     topo = mx.NodeTopology(None, 2)
     x = torch.randn(4, 64)
     ids = torch.randint(0, 8, (4, 3 if rank == 1 else 2))
-    for topology in (None, topo):
-        _raises_alike(lambda: mx.dispatch(x, ids, 8, topology=topology), "top_k differs")
-        _raises_alike(lambda: mx.dispatch_static(x, ids, 8, 8, topology=topology), "top_k differs")
+    for t in (None, topo):
+        _raises_alike(lambda t=t: mx.dispatch(x, ids, 8, topology=t), "top_k differs")
+        _raises_alike(lambda t=t: mx.dispatch_static(x, ids, 8, 8, topology=t), "top_k differs")
     dist.barrier()
 
 

@@ -35,7 +35,7 @@ its stats, so that :func:`check_no_drops` raises the same error on every rank (n
 here to raise it sooner). Every rank must pass the same hidden size, dtype, exchange and
 capacity (they set the rows' collective's size) and, past DISPATCH_INLINE_COUNTS local
 experts, the same num_experts: each new configuration is checked across the ranks once
-(agree.py), so that ranks that disagree raise the same error instead of hanging.
+(checks.py), so that ranks that disagree raise the same error instead of hanging.
 
 With a NodeTopology (``topology=``), the rows take the node-aware route's two hops in fixed
 slots (node_plan.py; see dispatch_static's ``topology``), still without a host sync.
@@ -43,7 +43,6 @@ slots (node_plan.py; see dispatch_static's ``topology``), still without a host s
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -51,31 +50,24 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .._common import check_scaling_mode
-from ..exchange.agreement import _SEP as SEP
+from ..exchange import agreement
 from ..exchange.agreement import _all_gather as all_gather
 from ..exchange.checks import group_rank_and_size
 from ..exchange.nccl import NCCL
 from ..exchange.push import PushBuffer, counts_columns
 from ..exchange.wires import Wires, combine_default, leg_pair
-from . import agree
+from . import checks
 from . import push as sp
-from .arguments import argument_error, check_owner, mark_output, mxfp8_rows_error
+from .checks import argument_error, check_owner, mark_output, mxfp8_rows_error
 from .engine import HopSlots, NodeStages, Route, all_to_all, combine_rows, dispatch_rows
 from .node_plan import forward_plan, source_ids, source_plan
+from .plan import capacity_for as capacity_for  # (public here)
 from .plan import receive_plan, send_plan
 from .plan import static_rows as static_rows  # (public here)
 from .push import check_fits
 from .topology import NodeTopology, spans, topology_error
 
 STAT_NAMES = ("dropped", "needed_capacity", "invalid_ids", "num_experts_differs")
-
-
-def capacity_for(num_tokens: int, top_k: int, world: int, capacity_factor: float) -> int:
-    """Rows per rank pair for a capacity factor: ceil(factor * T * top_k / W) (1.0: room for
-    a perfectly balanced routing)."""
-    if not capacity_factor > 0:
-        raise ValueError(f"capacity_factor must be > 0, got {capacity_factor!r}")
-    return math.ceil(capacity_factor * num_tokens * top_k / world)
 
 
 @dataclass
@@ -219,7 +211,7 @@ def dispatch_static(
     and sums each token's k copies. Arguments the host sees are checked before
     any collective. At each new configuration (capacity, hidden, exchange, x's dtype where
     the wire carries it, num_experts past the inline counts, transport kind, scaling mode;
-    moe/agree.py) one small all_gather checks it across the ranks, eagerly, and a
+    moe/checks.py) one small all_gather checks it across the ranks, eagerly, and a
     rank's bad argument or a size that differs between ranks raises the same ValueError on
     every rank; a known configuration costs no collective. Under torch.compile the check
     runs with validate only (agreement.agree_compiled, on every call); under CUDA graph
@@ -234,18 +226,17 @@ def dispatch_static(
         if push is not None:
             columns = counts_columns(num_experts // world)
             check_fits(push, capacity, x.shape[1], x.dtype, wires, columns, x.device)
-        text = agree.terms(x.shape[1], x.dtype, num_experts, world, capacity,
-                           wires + combine_default(exchange), scaling_mode, push)  # fmt: skip
         if problem := topology_error(topology, group, NCCL if push is None else push):
             raise ValueError(problem)
-        if spans(topology):  # (the counts travel within the node: agree on num_experts)
-            text += f"{SEP}topology={topology.terms()}{SEP}num_experts={num_experts}"
-        text += f"{SEP}top_k={topk_ids.shape[1]}"
+        args = dict(x=x, topk_ids=topk_ids, num_experts=num_experts, world=world,
+                               capacity=capacity, exchange=exchange, scaling_mode=scaling_mode,
+                               transport=transport, topology=topology)  # fmt: skip
+        text = agreement.terms_of(checks.STATIC, args)
     except (TypeError, ValueError) as e:
         if push is None and not dist.is_initialized():  # (no group to tell)
             raise
         error, world = e, (push.world if push is not None else group_rank_and_size(group)[1])
-    x = agree.agree_static(text, error, group, push, world, validate, x)
+    x = checks.agree_static(text, error, group, push, world, validate, x)
     if spans(topology):
         return _node_route(x, topk_ids, num_experts, capacity, group, exchange, align,
                            scaling_mode, functional, topology)  # fmt: skip

@@ -38,11 +38,12 @@ import torch.nn.functional as F
 
 from .. import _config
 from ..exchange import agreement
-from ..exchange.checks import comm_device, group_rank_and_size, transport_terms
+from ..exchange.checks import comm_device, group_rank_and_size
 from ..exchange.nccl import NCCL, resolve
 from ..exchange.transport import Transport
 from ..exchange.wires import Wires, check_leg_pair, combine_default, leg_pair
-from .arguments import argument_error, check_owner, mark_output, mxfp8_rows_error
+from . import checks
+from .checks import argument_error, check_owner, mark_output, mxfp8_rows_error
 from .engine import NodeStages, Route, SlotPlan, all_to_all, combine_rows, dispatch_rows
 from .node_plan import expert_order, forward_plan, remap, source_ids, source_plan
 from .plan import receive_plan, send_plan
@@ -99,19 +100,6 @@ class DispatchHandle:
         splits = (self.input_splits, self.output_splits)
         return Route(self.group, None, splits, transport=transport, functional=self.functional,
                      nodes=self.nodes)  # fmt: skip
-
-
-def _terms(x, num_experts: int, k: int, exchange, transport: Transport, topology=None) -> str:
-    """What the counts and the exchanges depend on (agreement.py's terms text)."""
-    grad = torch.is_grad_enabled() and x.requires_grad
-    terms = {"num_experts": num_experts, "top_k": k, "x.shape[1]": x.shape[1], "x.dtype": x.dtype}
-    if spans(topology):
-        terms["topology"] = topology.terms()
-    wires = leg_pair(exchange, "dispatch") + combine_default(exchange)
-    terms["exchange"] = "/".join(wires)  # dispatch's, then combine's forward/backward
-    if "mxfp8" in wires:  # unquantized rows take no transport
-        terms |= transport_terms(transport)
-    return agreement.terms_text(terms | {"x.requires_grad": grad})
 
 
 def dispatch(
@@ -191,7 +179,9 @@ def dispatch_reporting(
             raise ValueError(problem)
         if "mxfp8" in leg_pair(exchange, "dispatch"):
             chosen.check(x.device, group)
-        terms = _terms(x, num_experts, topk_ids.shape[1], exchange, chosen, topology)
+        args = dict(x=x, topk_ids=topk_ids, num_experts=num_experts,
+                               exchange=exchange, transport=chosen, topology=topology)  # fmt: skip
+        terms = agreement.terms_of(checks.DISPATCH, args)
     except Exception as e:  # every rank learns of it through the counts all-to-all
         error = e
     # every rank sends every rank [its agreement word, INLINE counts]: the same size on
@@ -289,7 +279,7 @@ def _raise_on_every_rank(status, error, terms, topk_ids, num_experts, group) -> 
             f"(from {ids.min().item()} to {ids.max().item()}); route to existing experts"
         )
     text = terms if error is None else str(error)
-    agreement.agree("dispatch", status, text, [], group)
+    agreement.agree(checks.DISPATCH, status, text, [], group)
 
 
 def _check_combine(expert_y, topk_weights, handle: DispatchHandle, exchange) -> None:

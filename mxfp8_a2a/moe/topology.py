@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..exchange import agreement
 from ..exchange.checks import group_rank_and_size
 from ..exchange.nccl import NCCL
+from . import checks
 
 
 class NodeTopology:
@@ -51,15 +52,11 @@ class NodeTopology:
         rank, world = group_rank_and_size(group)
         self.group, self.world = group, world
         problem, g = _ranks_per_node(group, world, ranks_per_node, mesh)
-        terms = {}
-        if ranks_per_node is None and mesh is None:  # (first: it decides the others)
-            terms["LOCAL_WORLD_SIZE"] = os.environ.get("LOCAL_WORLD_SIZE")
-        terms |= {"ranks_per_node": g, "world": world}
-        if world < dist.get_world_size() and world // g > 1:  # (sub-groups named by count)
-            terms["process groups made before"] = _groups_made()
-        terms = agreement.terms_text(terms)
-        status = agreement.FINE if problem is None else agreement.BAD_ARGUMENTS
-        agreement.agree("NodeTopology", status, problem or terms, [], group)
+        lws = os.environ.get("LOCAL_WORLD_SIZE") if ranks_per_node is mesh is None else None
+        made = _groups_made() if world < dist.get_world_size() and world // g > 1 else None
+        args = dict(local_world_size=lws, ranks_per_node=g, groups_made=made)
+        agreement.check(checks.NODES, args, None if problem is None else ValueError(problem),
+                        group)  # fmt: skip
         self.ranks_per_node = g
         self.nodes = world // g
         self.node, self.local = divmod(rank, g)
@@ -103,6 +100,21 @@ def topology_error(topology, group, transport) -> str | None:
     if topology.spans_nodes and transport is not NCCL:
         return "the node-aware route (topology) moves rows with all_to_all_single: transport='nccl'"
     return None
+
+
+def layer_topology(topology, group, push: bool) -> NodeTopology | None:
+    """The layer's ``topology`` argument, resolved at construction (see ExpertParallelMoE)."""
+    if isinstance(topology, str) and topology == "auto":
+        return None if push else shared_topology(group)
+    if topology is None:
+        return None
+    if not isinstance(topology, NodeTopology):
+        raise ValueError(f"topology must be a NodeTopology, 'auto' or None, got {topology!r}")
+    if not same_group(topology.group, group):
+        raise ValueError("topology must be built on the layer's group: NodeTopology(group, ...)")
+    if push and topology.spans_nodes:
+        raise ValueError("a PushBuffer moves rows within one node: pass topology=None")
+    return topology
 
 
 def group_ranks(group: dist.ProcessGroup | None) -> list[int]:
