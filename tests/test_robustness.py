@@ -101,7 +101,7 @@ def test_dispatch_tells_every_transport_apart():
     import mxfp8_a2a as mx
     from mxfp8_a2a.exchange import agreement
     from mxfp8_a2a.exchange.nccl import NCCL
-    from mxfp8_a2a.moe.checks import DISPATCH
+    from mxfp8_a2a.moe.terms import DISPATCH
 
     def word(exchange, transport):
         args = dict(x=torch.zeros(2, 64), topk_ids=torch.zeros(2, 2), num_experts=4,

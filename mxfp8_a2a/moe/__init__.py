@@ -5,8 +5,8 @@ Files, from the user's call down:
 
 - front ends: dispatch_synced.py (``dispatch``/``combine``: counts read on the host, exact
   shapes), dispatch_static.py (``dispatch_static``/``combine_static``: fixed capacity, no
-  sync), checks.py (every front end's argument checks and cross-rank agreement: one
-  table of terms per front end);
+  sync); terms.py (what each front end's ranks must agree on: one table each) and
+  checks.py (every argument check and cross-rank agreement of the front ends);
 - plan.py (+ plan_kernels.py): where every (token, slot) row goes, in the fixed-slot or the
   packed layout; node_plan.py: the node-aware route's two hops (and sent_bytes), over the
   sub-groups of topology.py's NodeTopology;

@@ -1,35 +1,10 @@
-"""The checks of the MoE front ends, in one place: what each front end's collectives depend
-on (one table of terms each), each rank's own argument errors (``*_error`` -> a message or
-None, raised at the front end), and the cross-rank agreements (exchange/agreement.py's
-rows: one all_gather, the same error on every rank, naming the argument, the ranks that
-differ and the fix).
-
-Front ends and their tables (agreement.TABLES; a test reads them, test_agreement_table.py):
-
-- ``dispatch`` (DISPATCH): its agreement word rides on the counts all-to-all
-  (dispatch_synced.py); only when the words differ or a rank is bad do the rows come.
-- ``dispatch_static`` (STATIC): checked once per new configuration (:func:`agree_static`):
-  each configuration the ranks agreed on is kept (per PushBuffer, else per process group,
-  at most MAX_KEYS), so a known one runs no collective; ``validate=True`` (or
-  MXFP8_A2A_VALIDATE=1, read at import) gathers on every call. A change on one rank after
-  the ranks agreed is caught there alone: run with validate to catch it everywhere. Under
-  torch.compile it runs with validate only (agreement.agree_compiled, every call); under
-  CUDA graph capture not at all.
-- ``combine`` / ``combine_static`` (COMBINE): local checks only; their terms must agree but
-  are not compared (a comparison would cost a collective; the handle fixes the sizes).
-- ``ExpertParallelMoE`` (LAYER): at a layer's first forward on a group of more than one
-  rank (:func:`first_forward_check`), beside the terms: the routers are the same on every
-  rank (ranks seeded differently build different ones); the experts differ between the
-  ranks (equal on every rank: a data-parallel wrapper broadcast or gathered them; not
-  checked after shard_experts, whose shards may be empty, nor where every rank's 2+
-  experts are copies of one MLP, as sparse upcycling makes them); no
-  DistributedDataParallel manages the experts (private, looked up with getattr; the
-  digests are the public fallback) and no FSDP2 shards them unless shard_experts did. The
-  routers and experts are compared by digests (float64 sums, no copy of the weights).
-- ``NodeTopology`` (NODES): when it is built, before any sub-group is made.
-- the torchtitan dispatchers (mxfp8_a2a/torchtitan.py) call dispatch and dispatch_static:
-  their tables; their own config fields are checked at construction, on each rank.
-- ``to_mxfp8_a2a_dequant``: exchange/checks.py (the layer below).
+"""The checks of the MoE front ends, in one place: each rank's own argument errors
+(``*_error`` -> a message or None, raised at the front end), the marks that tell combine
+which dispatch a tensor of rows came from, and the cross-rank agreements of the static
+dispatch and of the layer's first forward, on exchange/agreement.py's rows (one
+all_gather, the same error on every rank, naming the argument, the ranks that differ and
+the fix). What each front end's ranks must agree on is declared in terms.py (one table per
+front end); this module says how and when it is checked.
 """
 
 from __future__ import annotations
@@ -42,15 +17,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .. import _config
+from .._common import check_scaling_mode
 from ..exchange import agreement
-from ..exchange.agreement import SAME, Term
 from ..exchange.checks import (
-    GRAD_FIX,
-    SETTING_FIX,
-    TRANSPORT_FIX,
-    transport_name,
-    transport_setting,
     validating,
 )
 from ..exchange.push import PushBuffer
@@ -58,132 +27,10 @@ from ..exchange.transport import device_error
 from ..exchange.wires import check_leg_pair, combine_default, layer_wires, leg_pair
 from ..grouped.gemm import PRECISIONS
 from .plan import capacity_for
+from .terms import LAYER, STATIC
 
 MAX_KEYS = 64  # configurations kept per group or buffer (oldest forgotten first)
 _GROUPS: dict[str, OrderedDict] = {}  # process group name -> agreed terms texts
-
-
-# ---- the tables: what must agree, per front end (read from a dict of its args)
-
-
-def _wires(a) -> tuple[str, ...]:  # dispatch's (forward, backward), then combine's
-    return leg_pair(a["exchange"], "dispatch") + combine_default(a["exchange"])
-
-
-def _spans(a) -> bool:
-    return a["topology"] is not None and a["topology"].spans_nodes
-
-
-def _transport_kind(transport) -> str:
-    if isinstance(transport, PushBuffer):
-        return "PushBuffer"
-    return transport if isinstance(transport, str) else transport_name(transport)
-
-
-def _mxfp8(a) -> bool:
-    return "mxfp8" in _wires(a)  # (unquantized rows take no transport)
-
-
-_TOP_K = f"{SAME} top-k (topk_ids.shape[1], the experts of each token)"
-_HIDDEN = f"{SAME} x.shape[1] (K, the hidden size)"
-_DTYPE = f"pass x in the same dtype on every rank ({SAME} x.dtype)"
-_TOPOLOGY = "pass the same NodeTopology (or none) on every rank"
-_CAPACITY = f"{SAME} capacity (a layer: the same capacity, or capacity_factor and max_tokens)"
-_NUM_EXPERTS = Term("num_experts", lambda a: a["num_experts"], f"{SAME} num_experts")
-_K = Term("top_k", lambda a: a["topk_ids"].shape[1], _TOP_K)
-
-# dispatch: dict(x, topk_ids, num_experts, exchange, transport, topology)
-DISPATCH = agreement.table(
-    "dispatch",
-    _NUM_EXPERTS,
-    _K,
-    Term("x.shape[1]", lambda a: a["x"].shape[1], _HIDDEN),
-    Term("x.dtype", lambda a: a["x"].dtype, _DTYPE),
-    Term("topology", lambda a: a["topology"].terms() if _spans(a) else None, _TOPOLOGY),
-    Term("exchange", lambda a: "/".join(_wires(a)), f"{SAME} exchange"),
-    Term(
-        "transport", lambda a: transport_name(a["transport"]) if _mxfp8(a) else None, TRANSPORT_FIX
-    ),  # fmt: skip
-    Term(
-        "transport setting",
-        lambda a: transport_setting(a["transport"]) if _mxfp8(a) else None,
-        SETTING_FIX,
-    ),  # fmt: skip
-    Term("x.requires_grad", lambda a: torch.is_grad_enabled() and a["x"].requires_grad, GRAD_FIX),
-)
-
-
-def _static_experts(a) -> int | None:
-    inline = a["num_experts"] // a["world"] <= _config.DISPATCH_INLINE_COUNTS
-    return None if inline and not _spans(a) else a["num_experts"]
-
-
-# dispatch_static: the same namespace with capacity, world, scaling_mode (transport: "nccl"
-# or a PushBuffer); x.dtype where a leg carries rows in it; num_experts past the inline
-# counts (their own message size) or on a node route (the counts stay within the node)
-STATIC = agreement.table(
-    "dispatch_static",
-    Term("capacity", lambda a: a["capacity"], _CAPACITY),
-    Term("x.shape[1]", lambda a: a["x"].shape[1], _HIDDEN),
-    Term("exchange", lambda a: "/".join(_wires(a)), f"{SAME} exchange"),
-    Term("x.dtype", lambda a: a["x"].dtype if "bf16" in _wires(a) else None, _DTYPE),
-    Term("topology", lambda a: a["topology"].terms() if _spans(a) else None, _TOPOLOGY),
-    Term("num_experts", _static_experts, f"{SAME} num_experts"),
-    Term("scaling_mode", lambda a: a["scaling_mode"], f"{SAME} scaling_mode"),
-    Term("transport", lambda a: _transport_kind(a["transport"]), TRANSPORT_FIX),
-    _K,
-)
-
-# combine, combine_static: checked on each rank only (see the module docstring)
-COMBINE = agreement.table(
-    "combine",
-    Term("exchange", lambda a: a["exchange"], f"{SAME} exchange to combine", agree=False),
-)
-
-# the layer's first forward: dict(layer, x)
-LAYER = agreement.table(
-    "ExpertParallelMoE",
-    Term("hidden", lambda a: a["layer"].router.shape[0], f"{SAME} hidden"),
-    Term("ffn", lambda a: a["layer"].experts.w2.shape[-2], f"{SAME} ffn"),
-    Term("num_experts", lambda a: a["layer"].num_experts, f"{SAME} num_experts"),
-    Term("activation", lambda a: a["layer"].experts.activation, f"{SAME} activation"),
-    Term("top_k", lambda a: a["layer"].top_k, f"{SAME} top_k"),
-    Term("exchange", lambda a: "/".join(a["layer"].wires), f"{SAME} exchange"),
-    Term("precision", lambda a: a["layer"].precision, f"{SAME} precision"),
-    Term("capacity", lambda a: a["layer"].capacity, _CAPACITY),
-    Term("max_tokens", lambda a: a["layer"].max_tokens, f"{SAME} max_tokens"),
-    Term("align", lambda a: a["layer"].align, f"{SAME} align"),
-    Term("transport", lambda a: _transport_kind(a["layer"].transport), TRANSPORT_FIX),
-    Term(
-        "topology",
-        lambda a: None if a["layer"].topology is None else a["layer"].topology.terms(),
-        _TOPOLOGY,
-    ),  # fmt: skip
-    Term("x.dtype", lambda a: a["x"].dtype if isinstance(a["x"], torch.Tensor) else None, _DTYPE),
-)
-
-# NodeTopology: dict(local_world_size (None: not read), ranks_per_node,
-# groups_made (None: a group of the whole world, or this torch keeps no count))
-NODES = agreement.table(
-    "NodeTopology",
-    Term(
-        "LOCAL_WORLD_SIZE",
-        lambda a: a["local_world_size"],
-        "start every rank with the same LOCAL_WORLD_SIZE (nodes of one size), or pass "
-        "ranks_per_node or a mesh to NodeTopology",
-    ),  # fmt: skip
-    Term(
-        "ranks_per_node",
-        lambda a: a["ranks_per_node"],
-        f"{SAME} ranks_per_node (or mesh) to NodeTopology",
-    ),  # fmt: skip
-    Term(
-        "process groups made before",
-        lambda a: a["groups_made"],
-        "make the same process groups, in the same order, on every rank of the group before "
-        "its NodeTopology (new_group names a sub-group by this count)",
-    ),  # fmt: skip
-)
 
 
 # ---- each rank's own arguments, and which dispatch a tensor of rows came from
@@ -258,6 +105,88 @@ def mxfp8_rows_error(y: torch.Tensor, exchange) -> str | None:
     return None
 
 
+def _desc(t) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"{t.dtype} {tuple(t.shape)} on {t.device}"
+    return type(t).__name__
+
+
+def check_static(x, topk_ids, num_experts, world, capacity, align, exchange, scaling_mode,
+                 group) -> None:  # fmt: skip
+    """dispatch_static's checks of its arguments: dispatch's, then the static path's own."""
+    if (problem := argument_error(x, topk_ids, num_experts, world, exchange, group)) is not None:
+        raise ValueError(problem)
+    check_scaling_mode(scaling_mode)
+    if not x.dtype.is_floating_point:
+        raise ValueError(f"x must be a floating [tokens, hidden] tensor, got {_desc(x)}")
+    if type(capacity) is not int or capacity < 0:
+        raise ValueError(
+            f"capacity must be an int >= 0 (rows per rank pair; see capacity_for), got {capacity!r}"
+        )
+    if type(align) is not int or align < 1:
+        raise ValueError(f"align must be an int >= 1, got {align!r}")
+
+
+def check_combine(expert_y, topk_weights, handle, exchange) -> None:
+    """combine's checks of its arguments (a ValueError on this rank; no collective)."""
+    n, h = handle.src_row.numel(), handle.hidden
+    t, k = handle.rows_of.shape
+    if not isinstance(expert_y, torch.Tensor) or expert_y.dim() != 2:
+        got = getattr(expert_y, "shape", type(expert_y).__name__)
+        raise ValueError(f"expert_y must be a 2-D [{n}, {h}] tensor, got {got}")
+    if expert_y.shape != (n, h):
+        raise ValueError(
+            f"expert_y must be [{n}, {h}] (one row per row dispatch returned, of dispatch's "
+            f"hidden size), got {tuple(expert_y.shape)}"
+        )
+    if expert_y.device != handle.rows_of.device:
+        raise ValueError(
+            f"expert_y is on {expert_y.device}, dispatch's tensors on "
+            f"{handle.rows_of.device}; keep them on one device"
+        )
+    if not isinstance(topk_weights, torch.Tensor) or topk_weights.shape != (t, k):
+        raise ValueError(
+            f"topk_weights must be a [{t}, {k}] tensor (tokens, top-k of the dispatch), got "
+            f"{tuple(getattr(topk_weights, 'shape', ())) or type(topk_weights)}"
+        )
+    if not topk_weights.dtype.is_floating_point or topk_weights.device != expert_y.device:
+        raise ValueError(
+            f"topk_weights must be a floating tensor on {expert_y.device}, got "
+            f"{topk_weights.dtype} on {topk_weights.device}"
+        )
+    if exchange is not None and (problem := check_leg_pair(exchange)) is not None:
+        raise ValueError(problem)
+    if exchange is not None and (problem := mxfp8_rows_error(expert_y, exchange)) is not None:
+        raise ValueError(problem)
+    check_owner(expert_y, handle.dispatch_id, "dispatch")
+
+
+def check_combine_static(expert_y, topk_weights, handle, exchange) -> None:
+    """combine_static's checks of its arguments (a ValueError on this rank; no collective)."""
+    n, h = handle.src_row.numel(), handle.hidden
+    t, k = handle.rows_of.shape
+    if not isinstance(expert_y, torch.Tensor) or tuple(expert_y.shape) != (n, h):
+        raise ValueError(
+            f"expert_y must be [{n}, {h}] (dispatch_static's output shape), got {_desc(expert_y)}"
+        )
+    check_owner(expert_y, handle.dispatch_id, "dispatch_static")
+    if expert_y.dtype != handle.dtype or expert_y.device != handle.rows_of.device:
+        raise ValueError(
+            f"expert_y must be {handle.dtype} on {handle.rows_of.device} (as dispatch_static's "
+            f"x), got {expert_y.dtype} on {expert_y.device}"
+        )
+    if (
+        not isinstance(topk_weights, torch.Tensor) or tuple(topk_weights.shape) != (t, k)
+        or not topk_weights.dtype.is_floating_point or topk_weights.device != expert_y.device
+    ):  # fmt: skip
+        raise ValueError(
+            f"topk_weights must be a floating [{t}, {k}] tensor on {expert_y.device}, got "
+            f"{_desc(topk_weights)}"
+        )
+    if exchange is not None and (problem := mxfp8_rows_error(expert_y, exchange)) is not None:
+        raise ValueError(problem)
+
+
 # ---- the static dispatch's agreement, once per new configuration
 
 
@@ -287,8 +216,9 @@ def agree_static(
     x: torch.Tensor,
 ) -> torch.Tensor:
     """Check this call's configuration ``text`` (or this rank's ``error``) across the ranks
-    as the module docstring says; returns x (under torch.compile with validate: x through
-    the traced check). Raises the same ValueError/TypeError on every rank that joined."""
+    once per new configuration (terms.py's STATIC); returns x (under torch.compile with
+    validate: x through the traced check). Raises the same ValueError/TypeError on every
+    rank that joined."""
     check = validating(validate)
     if torch.compiler.is_compiling():
         if error is not None:
@@ -296,30 +226,22 @@ def agree_static(
         if check and world > 1:
             return agreement.agree_compiled(STATIC, agreement.FINE, text, [], group, x)
         return x
-    if capturing():
-        if check:
-            raise ValueError(
-                "under CUDA graph capture pass validate=False (and start without "
-                "MXFP8_A2A_VALIDATE=1): validation synchronizes"
-            )
-        if error is not None:
-            raise error
-        return x
-    if world == 1 or (push is not None and push._handle is None):  # (emulated: one process)
-        if error is not None:
-            raise error
-        return x
-    cache = _cache(group, push)
-    join = check or (text not in cache if error is None else not cache)
-    if not join:  # (agreed before: a lone error is this rank's only)
+    if capturing() and check:
+        raise ValueError(
+            "under CUDA graph capture pass validate=False (and start without "
+            "MXFP8_A2A_VALIDATE=1): validation synchronizes"
+        )
+    alone = world == 1 or (push is not None and push._handle is None)  # (emulated: one process)
+    cache = None if alone or capturing() else _cache(group, push)
+    # (agreed before: a lone error is this rank's only)
+    if cache is None or not (check or (text not in cache if error is None else not cache)):
         if error is not None:
             raise error
         return x
     if error is None:
-        status, message = agreement.FINE, text
+        agreement.agree(STATIC, agreement.FINE, text, [], group)
     else:
-        status, message = agreement.status_of(error), str(error)
-    agreement.agree(STATIC, status, message, [], group)
+        agreement.agree(STATIC, agreement.status_of(error), str(error), [], group)
     cache[text] = True
     cache.move_to_end(text)
     while len(cache) > MAX_KEYS:

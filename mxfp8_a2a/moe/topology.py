@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..exchange import agreement
 from ..exchange.checks import group_rank_and_size
 from ..exchange.nccl import NCCL
-from . import checks
+from .terms import NODES
 
 
 class NodeTopology:
@@ -55,7 +55,7 @@ class NodeTopology:
         lws = os.environ.get("LOCAL_WORLD_SIZE") if ranks_per_node is mesh is None else None
         made = _groups_made() if world < dist.get_world_size() and world // g > 1 else None
         args = dict(local_world_size=lws, ranks_per_node=g, groups_made=made)
-        agreement.check(checks.NODES, args, None if problem is None else ValueError(problem),
+        agreement.check(NODES, args, None if problem is None else ValueError(problem),
                         group)  # fmt: skip
         self.ranks_per_node = g
         self.nodes = world // g
