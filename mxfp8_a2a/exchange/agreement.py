@@ -1,9 +1,14 @@
 """What the ranks of a group must agree on, and each rank's own error, in one encoding checked
-in one place: the exchange's validation (checks.py) and dispatch (moe/dispatch_synced.py) use it.
+in one place, with one error format: every front end (the exchange, checks.py; the MoE front
+ends and NodeTopology, moe/terms.py and moe/checks.py) uses it.
 
-A rank's *terms* are what its collectives' sizes depend on (or whether a backward exchange
-follows), as name=value pairs written as one text (:func:`terms_text`). Two encodings of
-the same thing:
+A front end's *terms* are what its collectives' sizes depend on (or whether a backward
+exchange follows), declared once in a table (:func:`table`: one :class:`Term` each, its
+name, how to read it from the arguments, its fix, whether the ranks compare it); a rank's
+values are name=value pairs written as one text (:func:`terms_of`). :func:`check` is the
+one cross-rank check (this rank's terms or error, one all_gather, the same error on every
+rank); dispatch and the static dispatch send the same text their own way (below, and
+moe/checks.py's agree_static). Two encodings of the same thing:
 
 - the word, one int64: status + 4 * a 60-bit digest of the terms text. Status: FINE,
   BAD_VALUES (found on the device, e.g. ids out of range), BAD_ARGUMENTS (a ValueError)

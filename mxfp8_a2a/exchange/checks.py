@@ -1,4 +1,5 @@
-"""Argument checks of the exchange, local and across ranks, in one place.
+"""Argument checks of the exchange, local and across ranks, in one place (its terms: the
+table at WHAT below; the MoE front ends' are in moe/terms.py).
 
 Local checks raise a TypeError/ValueError naming the argument before any collective. What
 one rank cannot see alone (splits that disagree between ranks, a K, dtype, scaling mode,
