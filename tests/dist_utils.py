@@ -84,9 +84,9 @@ def _serve(rank, world, port, backend, tasks, queue):
         number, fn, args = task
         torch.manual_seed(seed)  # as in a fresh process
         torch.compiler.reset()
-        from mxfp8_a2a.moe import agree
+        from mxfp8_a2a.moe import checks
 
-        agree._GROUPS.clear()  # (configurations the group agreed on: per process)
+        checks._GROUPS.clear()  # (configurations the group agreed on: per process)
         try:
             result = fn(rank, world, *args)
             dist.barrier()

@@ -10,7 +10,7 @@ from robustness_workers import same_error
 
 import mxfp8_a2a as mx
 from mxfp8_a2a.exchange import agreement
-from mxfp8_a2a.moe import layer_checks
+from mxfp8_a2a.moe import checks as layer_checks
 
 H = 64
 

@@ -101,10 +101,12 @@ def test_dispatch_tells_every_transport_apart():
     import mxfp8_a2a as mx
     from mxfp8_a2a.exchange import agreement
     from mxfp8_a2a.exchange.nccl import NCCL
-    from mxfp8_a2a.moe.dispatch_synced import _terms
+    from mxfp8_a2a.moe.terms import DISPATCH
 
     def word(exchange, transport):
-        return agreement.word(agreement.FINE, _terms(torch.zeros(2, 64), 4, exchange, transport))
+        args = dict(x=torch.zeros(2, 64), topk_ids=torch.zeros(2, 2), num_experts=4,
+                               exchange=exchange, transport=transport, topology=None)  # fmt: skip
+        return agreement.word(agreement.FINE, agreement.terms_of(DISPATCH, args))
 
     group = object()  # the transport's group is not used by its terms
     codes = [word("mxfp8", NCCL), word("mxfp8", mx.CopyEngineTransport(group))]

@@ -1,9 +1,14 @@
 """What the ranks of a group must agree on, and each rank's own error, in one encoding checked
-in one place: the exchange's validation (checks.py) and dispatch (moe/dispatch_synced.py) use it.
+in one place, with one error format: every front end (the exchange, checks.py; the MoE front
+ends and NodeTopology, moe/terms.py and moe/checks.py) uses it.
 
-A rank's *terms* are what its collectives' sizes depend on (or whether a backward exchange
-follows), as name=value pairs written as one text (:func:`terms_text`). Two encodings of
-the same thing:
+A front end's *terms* are what its collectives' sizes depend on (or whether a backward
+exchange follows), declared once in a table (:func:`table`: one :class:`Term` each, its
+name, how to read it from the arguments, its fix, whether the ranks compare it); a rank's
+values are name=value pairs written as one text (:func:`terms_of`). :func:`check` is the
+one cross-rank check (this rank's terms or error, one all_gather, the same error on every
+rank); dispatch and the static dispatch send the same text their own way (below, and
+moe/checks.py's agree_static). Two encodings of the same thing:
 
 - the word, one int64: status + 4 * a 60-bit digest of the terms text. Status: FINE,
   BAD_VALUES (found on the device, e.g. ids out of range), BAD_ARGUMENTS (a ValueError)
@@ -23,6 +28,9 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,30 +41,54 @@ FINE, BAD_VALUES, BAD_ARGUMENTS, BAD_TYPES = range(4)
 TEXT_WORDS = 128  # 1 KB of text per rank: the first ~1000 bytes of a message
 _SEP = "\x1f"  # between the terms of a text
 
-# the fix to name when a term differs between ranks
-_SAME = "every rank must pass the same"
-FIXES = {
-    "num_experts": f"{_SAME} num_experts",
-    "x.shape[1]": f"{_SAME} x.shape[1] (K, the hidden size)",
-    "x.dtype": f"pass x in the same dtype on every rank ({_SAME} x.dtype)",
-    "exchange": f"{_SAME} exchange",
-    "scaling_mode": f"{_SAME} scaling_mode",
-    "transport": f"{_SAME} kind of transport",
-    "transport setting": f"{_SAME} transport setting (e.g. CopyEngineTransport row_ranges)",
-    "topology": "pass the same NodeTopology (or none) on every rank",
-    "ranks_per_node": f"{_SAME} ranks_per_node (or mesh) to NodeTopology",
-    "x.requires_grad": (
-        "make x require grad on every rank or on none (the backward exchange waits for "
-        "every rank, and a rank that recorded no graph never joins it)"
-    ),
-}
+SAME = "every rank must pass the same"
+
+
+@dataclass(frozen=True)
+class Term:
+    """One thing a front end's collectives depend on.
+
+    name: as errors name it; read: its value, from the front end's arguments (a dict,
+    which torch.compile traces; None: not part of this call); fix: what a rank whose value
+    differs should do; agree:
+    whether the ranks' values are compared (False: every rank must still hold the same,
+    but nothing compares them, as in combine, where it would cost a collective)."""
+
+    name: str
+    read: Callable[[Any], object]
+    fix: str
+    agree: bool = True
+
+
+TABLES: dict[str, tuple[Term, ...]] = {}  # front end -> its terms, in the order checked
+_CHECK_EXTRA: dict[str, Callable] = {}  # front end -> its check of the rows' extra ints
+
+
+def table(what: str, *terms: Term, check_extra: Callable | None = None) -> str:
+    """Declare front end ``what``'s terms (and its check of the rows' extra ints, given
+    every rank's rows); returns ``what``."""
+    TABLES[what] = terms
+    if check_extra is not None:
+        _CHECK_EXTRA[what] = check_extra
+    return what
+
+
+def terms_of(what: str, args: Any) -> str:
+    """The compared terms of front end ``what`` read from ``args``, as one text."""
+    read = ((t.name, t.read(args)) for t in TABLES[what] if t.agree)
+    return terms_text({name: value for name, value in read if value is not None})
+
+
+def _fix(what: str, name: str) -> str:
+    return next((t.fix for t in TABLES.get(what, ()) if t.name == name), f"{SAME} {name}")
+
 
 # torch >= 2.13 renames all_gather_into_tensor to all_gather_single
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def terms_text(terms: dict[str, object]) -> str:
-    """The terms (name -> value, in FIXES' names) as one text: name=str(value) pairs."""
+    """The terms (name -> value) as one text: name=str(value) pairs."""
     return _SEP.join(f"{name}={value}" for name, value in terms.items())
 
 
@@ -119,11 +151,13 @@ def check_rows(what: str, rows: list[list[int]], n_extra: int, check_extra=None)
     if check_extra is not None:
         check_extra(rows)
     terms = [dict(t.split("=", 1) for t in text.split(_SEP) if t) for text in texts]
-    names = list(dict.fromkeys(name for t in terms for name in t))
+    order = [t.name for t in TABLES.get(what, ())]  # (the table's order, then any other)
+    names = sorted(dict.fromkeys(name for t in terms for name in t),
+                   key=lambda n: order.index(n) if n in order else len(order))  # fmt: skip
     for name in names:
         values = [t.get(name, "-") for t in terms]
         if len(set(values)) > 1:
-            fix = FIXES.get(name, f"{_SAME} {name}")
+            fix = _fix(what, name)
             raise ValueError(
                 f"{what}: {name} differs between ranks ([{', '.join(values)}] by rank); {fix}"
             )
@@ -137,11 +171,34 @@ def agree(
     text: str,
     extra: list[int],
     group: dist.ProcessGroup | None,
-    check_extra=None,
-) -> None:
-    """Eagerly: gather every rank's row, raise (the same on every rank) what is wrong."""
+) -> list[list[int]]:
+    """Eagerly: gather every rank's row, raise (the same on every rank) what is wrong;
+    returns the rows (each rank's [word, *extra, *text])."""
     rows = gather_rows(row(status, text, extra), group)
-    check_rows(what, rows, len(extra), check_extra)
+    check_rows(what, rows, len(extra), _CHECK_EXTRA.get(what))
+    return rows
+
+
+def check(
+    what: str,
+    args: Any,
+    error: Exception | None,
+    group: dist.ProcessGroup | None,
+    extra: list[int] = (),  # type: ignore[assignment]
+) -> list[list[int]]:
+    """A front end's one cross-rank check, before its other collectives: this rank's terms
+    (TABLES[what] read from ``args``) and ``extra`` ints, or its ``error`` (a ValueError or
+    TypeError found checking its own arguments), in one all_gather; every rank raises the
+    same error (the bad ranks' messages, else the first term that differs, with each
+    rank's value and the term's fix). Returns every rank's rows."""
+    if error is None:
+        try:
+            text = terms_of(what, args)
+        except (TypeError, ValueError) as e:  # (reading a term: this rank's error)
+            error = e
+    if error is None:
+        return agree(what, FINE, text, list(extra), group)
+    return agree(what, status_of(error), str(error), [0] * len(extra), group)
 
 
 # Under torch.compile: the row and the check run at run time as custom ops, the gather
@@ -172,8 +229,6 @@ def _(table, x, what, world):
 
 
 _check_op.register_autograd(lambda ctx, grad: (None, grad, None, None))
-
-_CHECK_EXTRA: dict = {}  # what -> its check of the extra ints (registered by the callers)
 
 
 def agree_compiled(

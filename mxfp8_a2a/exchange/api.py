@@ -221,7 +221,7 @@ def to_mxfp8_a2a_dequant(
     chosen: Transport | None = None
     try:
         chosen = resolve(transport)
-        k = check_float_input(x)
+        check_float_input(x)
         check_scaling_mode(scaling_mode)
         if backward not in ("mxfp8", "bf16"):
             raise ValueError(f"backward must be 'mxfp8' or 'bf16', got {backward!r}")
@@ -244,7 +244,9 @@ def to_mxfp8_a2a_dequant(
         in_splits = checks.splits_list(input_splits, "input_splits", x.device)
         checks.check_splits(x.shape[0], out_splits, in_splits, world, rank)
         if validating:
-            terms = checks.exchange_terms(k, x, scaling_mode, chosen, backward)
+            args = dict(x=x, scaling_mode=scaling_mode, transport=chosen,
+                                   backward=backward)  # fmt: skip
+            terms = agreement.terms_of(checks.WHAT, args)
     except Exception as e:  # any local error: with validate, every rank learns of it
         error = e
     if validating and compiling and isinstance(x, torch.Tensor):

@@ -1,4 +1,5 @@
-"""Argument checks of the exchange, local and across ranks, in one place.
+"""Argument checks of the exchange, local and across ranks, in one place (its terms: the
+table at WHAT below; the MoE front ends' are in moe/terms.py).
 
 Local checks raise a TypeError/ValueError naming the argument before any collective. What
 one rank cannot see alone (splits that disagree between ranks, a K, dtype, scaling mode,
@@ -126,31 +127,33 @@ def check_capturable(output_splits, input_splits, validate: bool, transport: Tra
         )
 
 
-def transport_terms(transport: Transport) -> dict[str, object]:
-    """The terms (agreement.py) of a transport: its class and setting (an int in [0, 2**62),
-    else a ValueError)."""
+def transport_name(transport: Transport) -> str:
+    """A transport's kind, as the agreement compares it: its class."""
+    cls = type(transport)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def transport_setting(transport: Transport) -> int:
+    """A transport's setting (an int in [0, 2**62), else a ValueError)."""
     setting = transport.setting()
     if type(setting) is not int or not 0 <= setting < MAX_ROWS:
         raise ValueError(
             f"transport.setting() of {type(transport).__name__} must be an int in [0, 2**62), "
             f"got {setting!r}"
         )
-    cls = type(transport)
-    return {"transport": f"{cls.__module__}.{cls.__qualname__}", "transport setting": setting}
+    return setting
 
 
-def exchange_terms(
-    k: int, x: torch.Tensor, scaling_mode: str, transport: Transport, backward: str = "mxfp8"
-) -> str:
-    """What the exchange's byte counts (and whether a backward exchange follows) depend on,
-    as agreement.py's terms text: K, dtype, scaling mode, transport, the backward's wire,
-    whether x records a graph."""
-    grad = torch.is_grad_enabled() and x.requires_grad
-    terms = {"x.shape[1]": k, "x.dtype": x.dtype, "scaling_mode": scaling_mode}
-    terms["backward"] = backward
-    return agreement.terms_text(terms | transport_terms(transport) | {"x.requires_grad": grad})
+def _grad(a) -> bool:
+    return torch.is_grad_enabled() and a["x"].requires_grad
 
 
+TRANSPORT_FIX = f"{agreement.SAME} kind of transport"
+SETTING_FIX = f"{agreement.SAME} transport setting (e.g. CopyEngineTransport row_ranges)"
+GRAD_FIX = (
+    "make x require grad on every rank or on none (the backward exchange waits for every "
+    "rank, and a rank that recorded no graph never joins it)"
+)
 WHAT = "to_mxfp8_a2a_dequant"
 
 
@@ -170,7 +173,20 @@ def _splits_agree(rows: list[list[int]]) -> None:
                 )
 
 
-agreement._CHECK_EXTRA[WHAT] = _splits_agree
+# to_mxfp8_a2a_dequant's terms: what its byte counts (and whether a backward exchange
+# follows) depend on; read from dict(x, scaling_mode, transport, backward)
+agreement.table(
+    WHAT,
+    agreement.Term("x.shape[1]", lambda a: a["x"].shape[1], f"{agreement.SAME} x.shape[1] (K)"),
+    agreement.Term("x.dtype", lambda a: a["x"].dtype, f"{agreement.SAME} x.dtype"),
+    agreement.Term("scaling_mode", lambda a: a["scaling_mode"], f"{agreement.SAME} scaling_mode"),
+    agreement.Term("backward", lambda a: a["backward"], f"{agreement.SAME} backward wire"),
+    agreement.Term("transport", lambda a: transport_name(a["transport"]), TRANSPORT_FIX),
+    agreement.Term("transport setting", lambda a: transport_setting(a["transport"]), SETTING_FIX),
+    agreement.Term("x.requires_grad", _grad, GRAD_FIX),
+    check_extra=_splits_agree,
+)
+agreement.table("compute_output_splits")  # (no terms: only each rank's own errors)
 
 
 def check_all_ranks(
@@ -192,5 +208,5 @@ def check_all_ranks(
         status, text, extra = agreement.status_of(error), str(error), [0] * (2 * world)
     if x is not None:
         return agreement.agree_compiled(WHAT, status, text, extra, group, x)
-    agreement.agree(WHAT, status, text, extra, group, _splits_agree)
+    agreement.agree(WHAT, status, text, extra, group)
     return None

@@ -5,8 +5,8 @@ Files, from the user's call down:
 
 - front ends: dispatch_synced.py (``dispatch``/``combine``: counts read on the host, exact
   shapes), dispatch_static.py (``dispatch_static``/``combine_static``: fixed capacity, no
-  sync), arguments.py (the checks both share), agree.py (the static path's
-  once-per-configuration cross-rank check);
+  sync); terms.py (what each front end's ranks must agree on: one table each) and
+  checks.py (every argument check and cross-rank agreement of the front ends);
 - plan.py (+ plan_kernels.py): where every (token, slot) row goes, in the fixed-slot or the
   packed layout; node_plan.py: the node-aware route's two hops (and sent_bytes), over the
   sub-groups of topology.py's NodeTopology;
@@ -14,7 +14,7 @@ Files, from the user's call down:
   buffer travels (all_to_all_single, a PushBuffer, an MXFP8 Transport);
 - rows.py (+ row_kernels.py, row_kernels_backward.py): the row operations and their
   plain-torch references; push.py: the PushBuffer's ops;
-- layer.py (ExpertParallelMoE), layer_checks.py, experts.py (grouped experts), parallel.py
+- layer.py (ExpertParallelMoE), experts.py (grouped experts), parallel.py
   (DDP/FSDP2), checkpoint.py (state_dict as DTensors, full_state_dict).
 """
 

@@ -35,7 +35,7 @@ its stats, so that :func:`check_no_drops` raises the same error on every rank (n
 here to raise it sooner). Every rank must pass the same hidden size, dtype, exchange and
 capacity (they set the rows' collective's size) and, past DISPATCH_INLINE_COUNTS local
 experts, the same num_experts: each new configuration is checked across the ranks once
-(agree.py), so that ranks that disagree raise the same error instead of hanging.
+(checks.py), so that ranks that disagree raise the same error instead of hanging.
 
 With a NodeTopology (``topology=``), the rows take the node-aware route's two hops in fixed
 slots (node_plan.py; see dispatch_static's ``topology``), still without a host sync.
@@ -43,39 +43,31 @@ slots (node_plan.py; see dispatch_static's ``topology``), still without a host s
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .._common import check_scaling_mode
-from ..exchange.agreement import _SEP as SEP
+from ..exchange import agreement
 from ..exchange.agreement import _all_gather as all_gather
 from ..exchange.checks import group_rank_and_size
 from ..exchange.nccl import NCCL
 from ..exchange.push import PushBuffer, counts_columns
 from ..exchange.wires import Wires, combine_default, leg_pair
-from . import agree
+from . import checks
 from . import push as sp
-from .arguments import argument_error, check_owner, mark_output, mxfp8_rows_error
+from .checks import check_combine_static, check_static, mark_output
 from .engine import HopSlots, NodeStages, Route, all_to_all, combine_rows, dispatch_rows
 from .node_plan import forward_plan, source_ids, source_plan
+from .plan import capacity_for as capacity_for  # (public here)
 from .plan import receive_plan, send_plan
 from .plan import static_rows as static_rows  # (public here)
 from .push import check_fits
+from .terms import STATIC
 from .topology import NodeTopology, spans, topology_error
 
 STAT_NAMES = ("dropped", "needed_capacity", "invalid_ids", "num_experts_differs")
-
-
-def capacity_for(num_tokens: int, top_k: int, world: int, capacity_factor: float) -> int:
-    """Rows per rank pair for a capacity factor: ceil(factor * T * top_k / W) (1.0: room for
-    a perfectly balanced routing)."""
-    if not capacity_factor > 0:
-        raise ValueError(f"capacity_factor must be > 0, got {capacity_factor!r}")
-    return math.ceil(capacity_factor * num_tokens * top_k / world)
 
 
 @dataclass
@@ -135,27 +127,6 @@ def _exchange_counts(rows_of, sent, stats, num_experts, capacity, group, push, f
     differs = (~agrees).any() * num_experts
     stats = torch.stack([stats[0] + lost, stats[1], stats[2], differs])
     return rows_of, recv[:, 1 : 1 + local] * agrees[:, None], stats
-
-
-def _desc(t) -> str:
-    if isinstance(t, torch.Tensor):
-        return f"{t.dtype} {tuple(t.shape)} on {t.device}"
-    return type(t).__name__
-
-
-def _check(x, topk_ids, num_experts, world, capacity, align, exchange, scaling_mode, group):
-    """dispatch's own checks of its arguments, then what only the static path takes."""
-    if (problem := argument_error(x, topk_ids, num_experts, world, exchange, group)) is not None:
-        raise ValueError(problem)
-    check_scaling_mode(scaling_mode)
-    if not x.dtype.is_floating_point:
-        raise ValueError(f"x must be a floating [tokens, hidden] tensor, got {_desc(x)}")
-    if type(capacity) is not int or capacity < 0:
-        raise ValueError(
-            f"capacity must be an int >= 0 (rows per rank pair; see capacity_for), got {capacity!r}"
-        )
-    if type(align) is not int or align < 1:
-        raise ValueError(f"align must be an int >= 1, got {align!r}")
 
 
 def dispatch_static(
@@ -219,7 +190,7 @@ def dispatch_static(
     and sums each token's k copies. Arguments the host sees are checked before
     any collective. At each new configuration (capacity, hidden, exchange, x's dtype where
     the wire carries it, num_experts past the inline counts, transport kind, scaling mode;
-    moe/agree.py) one small all_gather checks it across the ranks, eagerly, and a
+    moe/checks.py) one small all_gather checks it across the ranks, eagerly, and a
     rank's bad argument or a size that differs between ranks raises the same ValueError on
     every rank; a known configuration costs no collective. Under torch.compile the check
     runs with validate only (agreement.agree_compiled, on every call); under CUDA graph
@@ -229,22 +200,23 @@ def dispatch_static(
     error, text, push = None, "", None
     try:  # (a rank's error travels in the agreement: raised on every rank that joins it)
         group, push, world = _carrier(group, transport)
-        _check(x, topk_ids, num_experts, world, capacity, align, exchange, scaling_mode, group)
+        check_static(x, topk_ids, num_experts, world, capacity, align, exchange, scaling_mode,
+                     group)  # fmt: skip
         wires = leg_pair(exchange, "dispatch")
         if push is not None:
             columns = counts_columns(num_experts // world)
             check_fits(push, capacity, x.shape[1], x.dtype, wires, columns, x.device)
-        text = agree.terms(x.shape[1], x.dtype, num_experts, world, capacity,
-                           wires + combine_default(exchange), scaling_mode, push)  # fmt: skip
         if problem := topology_error(topology, group, NCCL if push is None else push):
             raise ValueError(problem)
-        if spans(topology):  # (the counts travel within the node: agree on num_experts)
-            text += f"{SEP}topology={topology.terms()}{SEP}num_experts={num_experts}"
+        args = dict(x=x, topk_ids=topk_ids, num_experts=num_experts, world=world,
+                               capacity=capacity, exchange=exchange, scaling_mode=scaling_mode,
+                               transport=transport, topology=topology)  # fmt: skip
+        text = agreement.terms_of(STATIC, args)
     except (TypeError, ValueError) as e:
         if push is None and not dist.is_initialized():  # (no group to tell)
             raise
         error, world = e, (push.world if push is not None else group_rank_and_size(group)[1])
-    x = agree.agree_static(text, error, group, push, world, validate, x)
+    x = checks.agree_static(text, error, group, push, world, validate, x)
     if spans(topology):
         return _node_route(x, topk_ids, num_experts, capacity, group, exchange, align,
                            scaling_mode, functional, topology)  # fmt: skip
@@ -330,28 +302,8 @@ def combine_static(
         y(t, j), weights rounded to expert_y's dtype, fp32 sums over j in order. Dropped
         slots add nothing; their weights get zero gradient.
     """
-    n, h = handle.src_row.numel(), handle.hidden
-    t, k = handle.rows_of.shape
-    if not isinstance(expert_y, torch.Tensor) or tuple(expert_y.shape) != (n, h):
-        raise ValueError(
-            f"expert_y must be [{n}, {h}] (dispatch_static's output shape), got {_desc(expert_y)}"
-        )
-    check_owner(expert_y, handle.dispatch_id, "dispatch_static")
-    if expert_y.dtype != handle.dtype or expert_y.device != handle.rows_of.device:
-        raise ValueError(
-            f"expert_y must be {handle.dtype} on {handle.rows_of.device} (as dispatch_static's "
-            f"x), got {expert_y.dtype} on {expert_y.device}"
-        )
-    if (
-        not isinstance(topk_weights, torch.Tensor) or tuple(topk_weights.shape) != (t, k)
-        or not topk_weights.dtype.is_floating_point or topk_weights.device != expert_y.device
-    ):  # fmt: skip
-        raise ValueError(
-            f"topk_weights must be a floating [{t}, {k}] tensor on {expert_y.device}, got "
-            f"{_desc(topk_weights)}"
-        )
-    if exchange is not None and (problem := mxfp8_rows_error(expert_y, exchange)) is not None:
-        raise ValueError(problem)
+    check_combine_static(expert_y, topk_weights, handle, exchange)
+    h = handle.hidden
     wires = handle.exchange if exchange is None else leg_pair(exchange, "combine")
     if (push := handle.push) is not None:
         check_fits(push, handle.capacity, h, handle.dtype, wires, push.count_columns,

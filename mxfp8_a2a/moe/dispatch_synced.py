@@ -38,14 +38,15 @@ import torch.nn.functional as F
 
 from .. import _config
 from ..exchange import agreement
-from ..exchange.checks import comm_device, group_rank_and_size, transport_terms
+from ..exchange.checks import comm_device, group_rank_and_size
 from ..exchange.nccl import NCCL, resolve
 from ..exchange.transport import Transport
-from ..exchange.wires import Wires, check_leg_pair, combine_default, leg_pair
-from .arguments import argument_error, check_owner, mark_output, mxfp8_rows_error
+from ..exchange.wires import Wires, combine_default, leg_pair
+from .checks import argument_error, check_combine, mark_output
 from .engine import NodeStages, Route, SlotPlan, all_to_all, combine_rows, dispatch_rows
 from .node_plan import expert_order, forward_plan, remap, source_ids, source_plan
 from .plan import receive_plan, send_plan
+from .terms import DISPATCH
 from .topology import NodeTopology, spans
 from .topology import topology_error as _topology_error
 
@@ -99,19 +100,6 @@ class DispatchHandle:
         splits = (self.input_splits, self.output_splits)
         return Route(self.group, None, splits, transport=transport, functional=self.functional,
                      nodes=self.nodes)  # fmt: skip
-
-
-def _terms(x: torch.Tensor, num_experts: int, exchange, transport: Transport, topology=None) -> str:
-    """What the counts and the exchanges depend on (agreement.py's terms text)."""
-    grad = torch.is_grad_enabled() and x.requires_grad
-    terms = {"num_experts": num_experts, "x.shape[1]": x.shape[1], "x.dtype": x.dtype}
-    if spans(topology):
-        terms["topology"] = topology.terms()
-    wires = leg_pair(exchange, "dispatch") + combine_default(exchange)
-    terms["exchange"] = "/".join(wires)  # dispatch's, then combine's forward/backward
-    if "mxfp8" in wires:  # unquantized rows take no transport
-        terms |= transport_terms(transport)
-    return agreement.terms_text(terms | {"x.requires_grad": grad})
 
 
 def dispatch(
@@ -191,7 +179,9 @@ def dispatch_reporting(
             raise ValueError(problem)
         if "mxfp8" in leg_pair(exchange, "dispatch"):
             chosen.check(x.device, group)
-        terms = _terms(x, num_experts, exchange, chosen, topology)
+        args = dict(x=x, topk_ids=topk_ids, num_experts=num_experts,
+                               exchange=exchange, transport=chosen, topology=topology)  # fmt: skip
+        terms = agreement.terms_of(DISPATCH, args)
     except Exception as e:  # every rank learns of it through the counts all-to-all
         error = e
     # every rank sends every rank [its agreement word, INLINE counts]: the same size on
@@ -289,40 +279,7 @@ def _raise_on_every_rank(status, error, terms, topk_ids, num_experts, group) -> 
             f"(from {ids.min().item()} to {ids.max().item()}); route to existing experts"
         )
     text = terms if error is None else str(error)
-    agreement.agree("dispatch", status, text, [], group)
-
-
-def _check_combine(expert_y, topk_weights, handle: DispatchHandle, exchange) -> None:
-    n, h = handle.src_row.numel(), handle.hidden
-    t, k = handle.rows_of.shape
-    if not isinstance(expert_y, torch.Tensor) or expert_y.dim() != 2:
-        got = getattr(expert_y, "shape", type(expert_y).__name__)
-        raise ValueError(f"expert_y must be a 2-D [{n}, {h}] tensor, got {got}")
-    if expert_y.shape != (n, h):
-        raise ValueError(
-            f"expert_y must be [{n}, {h}] (one row per row dispatch returned, of dispatch's "
-            f"hidden size), got {tuple(expert_y.shape)}"
-        )
-    if expert_y.device != handle.rows_of.device:
-        raise ValueError(
-            f"expert_y is on {expert_y.device}, dispatch's tensors on "
-            f"{handle.rows_of.device}; keep them on one device"
-        )
-    if not isinstance(topk_weights, torch.Tensor) or topk_weights.shape != (t, k):
-        raise ValueError(
-            f"topk_weights must be a [{t}, {k}] tensor (tokens, top-k of the dispatch), got "
-            f"{tuple(getattr(topk_weights, 'shape', ())) or type(topk_weights)}"
-        )
-    if not topk_weights.dtype.is_floating_point or topk_weights.device != expert_y.device:
-        raise ValueError(
-            f"topk_weights must be a floating tensor on {expert_y.device}, got "
-            f"{topk_weights.dtype} on {topk_weights.device}"
-        )
-    if exchange is not None and (problem := check_leg_pair(exchange)) is not None:
-        raise ValueError(problem)
-    if exchange is not None and (problem := mxfp8_rows_error(expert_y, exchange)) is not None:
-        raise ValueError(problem)
-    check_owner(expert_y, handle.dispatch_id, "dispatch")
+    agreement.agree(DISPATCH, status, text, [], group)
 
 
 def combine(
@@ -353,7 +310,7 @@ def combine(
     rank's process ends (gloo and NCCL then fail them) or the process group's timeout:
     there is no cross-rank check here (it would cost a collective).
     """
-    _check_combine(expert_y, topk_weights, handle, exchange)
+    check_combine(expert_y, topk_weights, handle, exchange)
     wires = handle.exchange if exchange is None else leg_pair(exchange, "combine")
     return combine_rows(expert_y, topk_weights, handle.rows_of, handle.src_row, handle.out_row,
                         handle.route, wires, "rceil")  # fmt: skip

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from ..exchange import nccl
 from ..exchange.plain import HAS_FUNCOL, funcol
@@ -318,9 +319,8 @@ class HopSlots:
         """values [T, k] fp32 -> [N]: each expert row's (token, slot) value (0: padding)."""
         f = self.functional
         sent = node_plan.source_ids(values, self.node_rows, self.rows)
-        got = all_to_all(sent, None, None, self.rail, f)
-        picked = got[self.fwd_idx.clamp(min=0), self.fwd_slot.clamp(min=0)]
-        picked = torch.where(self.fwd_idx < 0, 0, picked)
+        got = F.pad(all_to_all(sent, None, None, self.rail, f), (0, 1, 0, 1))  # (0 at [-1, -1])
+        picked = got[self.fwd_idx, torch.where(self.fwd_idx < 0, -1, self.fwd_slot)]
         return rows_ops._take(all_to_all(picked, None, None, self.node, f), self.src_row)
 
     def to_slots(self, rows: torch.Tensor) -> torch.Tensor:
@@ -328,10 +328,11 @@ class HopSlots:
         f = self.functional
         back = all_to_all(rows_ops._take(rows.contiguous(), self.out_row), None, None, self.node, f)
         k = self.all_rows.shape[1]
-        spread = back.new_zeros((self.rows + 1, k))
-        at = torch.where(self.fwd_idx < 0, self.rows, self.fwd_idx)
-        spread.index_put_((at, self.fwd_slot.clamp(min=0)), back)
-        got = all_to_all(spread[: self.rows], None, None, self.rail, f)
+        spread = back.new_zeros((self.rows + 1, k + 1))  # (unused stage-2 rows: the last)
+        unused = self.fwd_idx < 0
+        at = (torch.where(unused, self.rows, self.fwd_idx), torch.where(unused, k, self.fwd_slot))
+        spread.index_put_(at, back)
+        got = all_to_all(spread[: self.rows, :k].contiguous(), None, None, self.rail, f)
+        got = F.pad(got, (0, 0, 0, 1))
         slot = torch.arange(k, device=got.device).expand_as(self.all_rows)
-        picked = got[self.all_rows.clamp(min=0), slot]
-        return torch.where(self.all_rows < 0, 0, picked).reshape(-1)
+        return got[self.all_rows, slot].reshape(-1)  # (row -1: the zero row; capacity 0)

@@ -20,14 +20,13 @@ from ..exchange.push import PushBuffer, static_transport
 from ..exchange.transport import Transport
 from ..exchange.wires import Wires, layer_wires
 from ..grouped.gemm import PRECISIONS
-from . import agree
-from . import layer_checks as checks
+from . import checks
 from .checkpoint import register_checkpoint_hooks
 from .dispatch_static import STAT_NAMES, combine_static, dispatch_static
 from .dispatch_synced import combine, dispatch, dispatch_reporting
 from .experts import GroupedExperts, draw_router, init_moe_weights  # noqa: F401
 from .routing import _route, balance_loss, groups_error, update_bias
-from .topology import NodeTopology
+from .topology import NodeTopology, layer_topology
 
 
 class ExpertParallelMoE(torch.nn.Module):
@@ -206,7 +205,7 @@ class ExpertParallelMoE(torch.nn.Module):
         else:
             self.expert_bias = self.expert_load = None
         self._exchange, self.wires, self.transport = exchange, wires, transport
-        self.topology = checks.layer_topology(topology, group, isinstance(transport, PushBuffer))
+        self.topology = layer_topology(topology, group, isinstance(transport, PushBuffer))
         router = torch.empty(hidden, num_experts, device=device, dtype=dtype or torch.float32)
         if router.device.type != "meta":
             router.copy_(draw_router(hidden, num_experts, seed))
@@ -306,7 +305,7 @@ class ExpertParallelMoE(torch.nn.Module):
             checks.first_forward_check(self, x, problem)
         if problem is not None and self.static:  # (every rank hears of it where they agree)
             push = self.transport if isinstance(self.transport, PushBuffer) else None
-            agree.report(problem, self.group, push)
+            checks.report(problem, self.group, push)
         if problem is not None:  # no routing: dispatch tells every rank, then raises
             dispatch_reporting(
                 x, None, self.num_experts, self.group, self.wires, self.transport, problem

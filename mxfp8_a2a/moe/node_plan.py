@@ -58,7 +58,7 @@ def source_plan(
     first = torch.where(kept, row, -1).view(t, k)
     # every slot's row: its node's first slot's (a [T, k, k] match, k is small)
     same = (node[:, :, None] == node[:, None, :]) & ~repeat[:, None, :] & valid[:, :, None]
-    all_rows = torch.where(same, first[:, None, :], -1).amax(2)
+    all_rows = torch.where(same, first[:, None, :], -1).amax(2) if k else first  # (k = 0)
     dropped = (valid & (all_rows < 0)).sum()
     stats = torch.stack([dropped, count[:nodes].max(), (~valid).sum()])
     return first, count[:nodes], all_rows, stats

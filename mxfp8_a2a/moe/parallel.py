@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from .checkpoint import moe_layers
-from .layer_checks import mesh_group
+from .checks import mesh_group
 
 
 def _ranks(model: torch.nn.Module, replicas: dist.ProcessGroup | None, who: str) -> int:

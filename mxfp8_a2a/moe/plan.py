@@ -19,11 +19,21 @@ functions run the Triton kernels of plan_kernels.py instead, the same values exa
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
 from .._common import kernels_run_on
 from .plan_kernels import _rank_kernel, _segments_kernel, receive_plan_kernels, send_plan_kernels
+
+
+def capacity_for(num_tokens: int, top_k: int, world: int, capacity_factor: float) -> int:
+    """Rows per rank pair for a capacity factor: ceil(factor * T * top_k / W) (1.0: room for
+    a perfectly balanced routing)."""
+    if not capacity_factor > 0:
+        raise ValueError(f"capacity_factor must be > 0, got {capacity_factor!r}")
+    return math.ceil(capacity_factor * num_tokens * top_k / world)
 
 
 def static_rows(capacity: int, world: int, num_local: int, align: int) -> int:

@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..exchange import agreement
 from ..exchange.checks import group_rank_and_size
 from ..exchange.nccl import NCCL
+from .terms import NODES
 
 
 class NodeTopology:
@@ -50,11 +51,13 @@ class NodeTopology:
     ) -> None:
         rank, world = group_rank_and_size(group)
         self.group, self.world = group, world
-        problem, ranks_per_node = _ranks_per_node(group, world, ranks_per_node, mesh)
-        terms = agreement.terms_text({"ranks_per_node": ranks_per_node, "world": world})
-        status = agreement.FINE if problem is None else agreement.BAD_ARGUMENTS
-        agreement.agree("NodeTopology", status, problem or terms, [], group)
-        self.ranks_per_node = g = ranks_per_node
+        problem, g = _ranks_per_node(group, world, ranks_per_node, mesh)
+        lws = os.environ.get("LOCAL_WORLD_SIZE") if ranks_per_node is mesh is None else None
+        made = _groups_made() if world < dist.get_world_size() and world // g > 1 else None
+        args = dict(local_world_size=lws, ranks_per_node=g, groups_made=made)
+        agreement.check(NODES, args, None if problem is None else ValueError(problem),
+                        group)  # fmt: skip
+        self.ranks_per_node = g
         self.nodes = world // g
         self.node, self.local = divmod(rank, g)
         self.rail = self.node_group = None
@@ -97,6 +100,21 @@ def topology_error(topology, group, transport) -> str | None:
     if topology.spans_nodes and transport is not NCCL:
         return "the node-aware route (topology) moves rows with all_to_all_single: transport='nccl'"
     return None
+
+
+def layer_topology(topology, group, push: bool) -> NodeTopology | None:
+    """The layer's ``topology`` argument, resolved at construction (see ExpertParallelMoE)."""
+    if isinstance(topology, str) and topology == "auto":
+        return None if push else shared_topology(group)
+    if topology is None:
+        return None
+    if not isinstance(topology, NodeTopology):
+        raise ValueError(f"topology must be a NodeTopology, 'auto' or None, got {topology!r}")
+    if not same_group(topology.group, group):
+        raise ValueError("topology must be built on the layer's group: NodeTopology(group, ...)")
+    if push and topology.spans_nodes:
+        raise ValueError("a PushBuffer moves rows within one node: pass topology=None")
+    return topology
 
 
 def group_ranks(group: dist.ProcessGroup | None) -> list[int]:
@@ -144,6 +162,16 @@ def _sub_groups(group, g: int, node: int, local: int):
     )
 
 
+def _groups_made() -> int | None:
+    """How many process groups this process has made (new_group with
+    use_local_synchronization names a group by its ranks and this count, so the ranks of a
+    sub-group must have made as many); None where this torch keeps no such count (private
+    state, read with getattr)."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    names = getattr(world, "pg_names", None)
+    return len(names) if isinstance(names, dict) else None
+
+
 _UNSORTED = {"sort_ranks": False}  # (a group whose ranks do not ascend: keep its order)
 KEEPS_ORDER = "sort_ranks" in inspect.signature(dist.new_group).parameters  # (torch 2.13: yes)
 
@@ -166,18 +194,16 @@ def _ranks_per_node(group, world, ranks_per_node, mesh) -> tuple[str | None, int
     if ranks_per_node is None:
         if (hosts := _torchrun_hosts(group)) is None:
             return None, world
-        index = {h: i for i, h in enumerate(dict.fromkeys(hosts))}  # (nodes in group order)
-        nodes = [index[h] for h in hosts]
-        ranks_per_node = nodes.count(0)
-        expected = [i // ranks_per_node for i in range(world)]
-        if nodes != expected and len(index) > 1:
+        sizes = [hosts.count(h) for h in dict.fromkeys(hosts)]  # (nodes in group order)
+        if len(set(sizes)) > 1 or hosts != sorted(hosts, key=hosts.index):
             return (
-                f"the group's ranks lie on nodes {hosts} (global rank // LOCAL_WORLD_SIZE="
-                f"{os.environ['LOCAL_WORLD_SIZE']}): each node must hold the same number of "
-                "consecutive group ranks; pass ranks_per_node or a mesh",
+                f"the group's {world} ranks lie on nodes of {sizes} ranks (global rank // "
+                f"LOCAL_WORLD_SIZE={os.environ['LOCAL_WORLD_SIZE']}: nodes {hosts}); the "
+                "node-aware route needs nodes of one size, each holding consecutive group "
+                "ranks: pass ranks_per_node or a mesh, or topology=None",
                 1,
             )
-        return None, ranks_per_node if len(index) > 1 else world
+        return None, sizes[0]
     if type(ranks_per_node) is not int or ranks_per_node < 1 or world % ranks_per_node:
         return (
             f"ranks_per_node must be a positive int dividing the group's size {world}, got "
@@ -188,23 +214,30 @@ def _ranks_per_node(group, world, ranks_per_node, mesh) -> tuple[str | None, int
 
 
 SHARED_MAX = 16  # topologies kept for the layers and dispatchers (each holds two groups)
-_shared: dict[tuple, NodeTopology] = {}
+_shared: dict[tuple, NodeTopology | None] = {}
 
 
 def shared_topology(
     group: dist.ProcessGroup | None, ranks_per_node: int | None = None
 ) -> NodeTopology | None:
-    """One NodeTopology per (group, ranks_per_node), kept for every layer that asks (at most
-    SHARED_MAX; ``_shared.clear()`` forgets them). ranks_per_node None: torchrun's nodes
-    (LOCAL_WORLD_SIZE), and None without any collective where the group's ranks lie on one
-    node. Every rank of the group must call it alike (it may build a NodeTopology)."""
-    if ranks_per_node is None:
-        hosts = _torchrun_hosts(group)
-        if hosts is None or len(set(hosts)) < 2:
-            return None
-    key = (group if group is not None else "world", ranks_per_node)
+    """One NodeTopology per (group, ranks_per_node), kept for every layer that asks, for the
+    life of the process (``_shared.clear()`` forgets them; never evicted, since layers keep
+    using their sub-groups: past SHARED_MAX a ValueError asks for a NodeTopology of one's
+    own). ranks_per_node None: torchrun's nodes (LOCAL_WORLD_SIZE; None without it, with no
+    collective), and None where the group's ranks lie on one node. Every rank of the group
+    must call it alike (it may build a NodeTopology, whose agreement also compares
+    LOCAL_WORLD_SIZE)."""
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if ranks_per_node is None and local is None:
+        return None
+    key = (group if group is not None else "world", ranks_per_node, local)
     if key not in _shared:
         if len(_shared) >= SHARED_MAX:
-            _shared.pop(next(iter(_shared)))
-        _shared[key] = NodeTopology(group, ranks_per_node)
+            raise ValueError(
+                f"more than SHARED_MAX={SHARED_MAX} groups asked for a node topology of their "
+                "own (the kept ones are never dropped: layers use their sub-groups); build "
+                "one NodeTopology(group, ...) per group and pass topology= to the layers"
+            )
+        topology = NodeTopology(group, ranks_per_node)
+        _shared[key] = topology if topology.spans_nodes else None
     return _shared[key]
