@@ -159,3 +159,17 @@ def shared_is_dense(rank, world, backend):
     assert not isinstance(state["0.shared.w1"], DTensor)
     assert not isinstance(state["0.shared.w2"], DTensor)
     return sorted(name for name in state if "shared" in name)
+
+
+def compiled_equals_eager(rank, world, backend, seed):
+    """The static layer with shared experts and 2 chunks under torch.compile(fullgraph=True)
+    (one stream: the schedule's steps in order) against eager: output and x's gradient
+    close (Inductor fuses and reorders sums, so not bit for bit)."""
+    dev = device_for(backend)
+    layer = _layer(world, dev, seed, "bf16", True, False, shared_ffn=SHARED, overlap_chunks=2)
+    eager = copy.deepcopy(layer)
+    x = torch.randn(tokens_of(rank), HIDDEN, generator=torch.Generator().manual_seed(seed))
+    out, gx = _run(torch.compile(layer, fullgraph=True), x.to(dev), torch.ones_like(x))
+    ref, gref = _run(eager, x.to(dev), torch.ones_like(x))
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(gx, gref, rtol=1e-4, atol=1e-5)

@@ -8,7 +8,12 @@ import random
 
 import pytest
 from dist_utils import run_distributed
-from overlap_workers import overlap_equals_serial, settings_differ, shared_is_dense
+from overlap_workers import (
+    compiled_equals_eager,
+    overlap_equals_serial,
+    settings_differ,
+    shared_is_dense,
+)
 
 import mxfp8_a2a as mx
 
@@ -20,6 +25,10 @@ def test_overlapped_layer_equals_serial(world, static, node):
     seed = random.SystemRandom().randrange(2**20)
     worst = run_distributed(overlap_equals_serial, world, "gloo", seed, static, node)
     assert max(worst) <= 1e-5
+
+
+def test_overlapped_static_layer_compiles_fullgraph():
+    run_distributed(compiled_equals_eager, 2, "gloo", random.SystemRandom().randrange(2**20))
 
 
 def test_ranks_that_disagree_on_overlap_get_one_error():
