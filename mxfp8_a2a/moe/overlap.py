@@ -31,9 +31,16 @@ read of the counts synchronizes the comm stream only.
 
 On CPU, under torch.compile, with a PushBuffer (whose kernels and buffer serve one
 exchange at a time), or with ``layer.overlap_streams = False``, the same steps run in the
-same order on one stream: same ops, same bits. The SM cost on CUDA is the exchange's own
-(NCCL's kernels, one CTA per channel, and the row kernels between them), unchanged by the
-schedule; see BENCHMARKS.md for what was measured.
+same order on one stream: same ops, same bits.
+
+SMs the exchange holds while it runs beside compute (from reading, not measured): NCCL's
+all_to_all_single is grouped send/recv, one kernel of one CTA per p2p channel in use (at
+most NCCL_MAX_P2P_NCHANNELS; tens of the H100's 132 SMs within a node, fewer across nodes),
+held for the whole transfer; the row kernels on the comm stream (the wire encode and decode,
+the plan) take whatever SMs are free, in short bursts; the MXFP8 Transport's cast beside its
+collective leaves _config.BESIDE_COMM_FREE_SMS to NCCL. Nothing caps the comm stream's share
+(DeepEP's set_num_sms has no counterpart here): the GEMMs on the compute stream get what is
+left and may be slowed by it.
 """
 
 from __future__ import annotations
