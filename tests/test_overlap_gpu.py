@@ -20,15 +20,19 @@ from dist_utils import run_distributed
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 TOKENS, HIDDEN, FFN, EXPERTS, TOP_K, SHARED = 512, 512, 256, 8, 2, 2048
+# the profiler's: at the small sizes the host (dispatch's Python) is slower than the GPU,
+# which then runs one kernel at a time (H100, 2026-12-08: no kernels side by side at the
+# small sizes, 20-29 pairs at these)
+BIG = dict(tokens=8192, hidden=4096, ffn=1024, shared=16384)
 
 
-def _layers(static: bool, n: int, exchange: str = "mxfp8"):
+def _layers(static: bool, n: int, tokens=TOKENS, hidden=HIDDEN, ffn=FFN, shared=SHARED):
     """(overlapped layer, the same layer on one stream), bf16 on the GPU."""
     from mxfp8_a2a.moe.layer import ExpertParallelMoE
 
-    extra = dict(capacity_factor=1.5, max_tokens=TOKENS) if static else {}
-    layer = ExpertParallelMoE(HIDDEN, FFN, EXPERTS, TOP_K, seed=5, exchange=exchange,
-                              shared_ffn=SHARED, overlap_chunks=n, **extra)  # fmt: skip
+    extra = dict(capacity_factor=1.5, max_tokens=tokens) if static else {}
+    layer = ExpertParallelMoE(hidden, ffn, EXPERTS, TOP_K, seed=5, shared_ffn=shared,
+                              overlap_chunks=n, **extra)  # fmt: skip
     layer = layer.to(device="cuda", dtype=torch.bfloat16)
     serial = copy.deepcopy(layer)
     serial.overlap_streams = False
@@ -45,9 +49,9 @@ def _state(layer, x) -> list[torch.Tensor]:
     return [x.grad] + [p.grad for p in layer.parameters()]
 
 
-def _fresh(i: int, tokens: int):
+def _fresh(i: int, tokens: int, hidden: int = HIDDEN):
     scale = 2.0 ** (i % 7 - 3)
-    x = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16) * scale
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16) * scale
     return x, torch.randn_like(x)
 
 
@@ -103,8 +107,8 @@ GEMM = re.compile(r"gemm|nvjet|cutlass|xmma|wgmma", re.IGNORECASE)
 def exchange_beside_gemm(rank, world, static, n):
     """A torch.profiler trace of forward + backward: some kernel on another stream than a
     GEMM's, not itself a GEMM, runs while that GEMM does. Returns the pair's names."""
-    layer, _ = _layers(static, n)
-    x, grad = _fresh(0, TOKENS * 8 if not static else TOKENS)
+    layer, _ = _layers(static, n, **BIG)
+    x, grad = _fresh(0, BIG["tokens"], BIG["hidden"])
     x.requires_grad_(True)
     for _ in range(3):  # warm-up (autotuning, the comm stream)
         _step(layer, x, grad)
