@@ -339,6 +339,10 @@ def main() -> None:
                    "each graph replay (rank 0 and others alike)")  # fmt: skip
     p.add_argument("--copy-tbs", type=float, default=4.21, help="device copy TB/s (H200)")
     p.add_argument("--json", help="write the results here (rank 0)")
+    p.add_argument("--overlap", action="append", metavar="SHARED,CHUNKS",
+                   help="instead of the variants: the layer serial vs overlapped for a "
+                   "shared MLP width (0: none) and overlap_chunks, repeatable "
+                   "(overlap_bench.py)")  # fmt: skip
     args = p.parse_args()
 
     device = init_from_torchrun()
@@ -358,6 +362,8 @@ def main() -> None:
               f"{args.capacity_factor})", file=sys.stderr)  # fmt: skip
     if cuda:
         warm_gpu()
+    if args.overlap:
+        return overlap_main(args, shapes, iters, warmup, device)
     results = []
     for text in shapes:
         results += bench_shape(text, variants, iters, warmup, device, args.capacity_factor,
@@ -369,6 +375,21 @@ def main() -> None:
             {"versions": versions(), "world_size": world, "iters": iters, "warmup": warmup,
              "results": results},
         )  # fmt: skip
+    dist.destroy_process_group()
+
+
+def overlap_main(args, shapes, iters, warmup, device) -> None:
+    import overlap_bench as ob
+
+    settings = [ob.parse_setting(t) for t in args.overlap]
+    rows = []
+    for text in shapes:
+        rows += ob.overlap_rows(text, parse_shape(text), settings, iters, warmup, device,
+                                args.capacity_factor)  # fmt: skip
+    if dist.get_rank() == 0:
+        print(tabulate(ob.table(rows), headers=ob.HEADERS, floatfmt=".3f"))
+        write_json(args.json, {"versions": versions(), "world_size": dist.get_world_size(),
+                               "iters": iters, "warmup": warmup, "overlap": rows})  # fmt: skip
     dist.destroy_process_group()
 
 

@@ -9,12 +9,12 @@ MoE layer that uses torchtitan's ``AllToAllTokenDispatcher`` (its "standard" EP 
         --override.imports 'mxfp8_a2a.torchtitan.mxfp8_dispatch={"wire": "mxfp8"}'
 
 :class:`MXFP8TokenDispatcher` keeps that dispatcher's contract (inputs, outputs, rows grouped
-by local expert then by source rank, routing scores applied in ``combine``, token counts of
-the dtype and device torchtitan passes in) and moves the rows with :func:`mxfp8_a2a.dispatch`
-and :func:`mxfp8_a2a.combine`: rows encoded for the wire straight from the tokens, one packed
-exchange each way, decoded straight into the experts' layout, a wire per leg
-(``wire``: a preset of :data:`mxfp8_a2a.WIRE_PRESETS`). The counts exchange and its one host
-sync stay (as in torchtitan's own dispatcher). :func:`mxfp8_dispatch_static` gives
+by local expert then by source rank, routing scores applied in ``combine``, token counts
+int64 on the counts' device, as torchtitan's at EP > 1) and moves the rows with
+:func:`mxfp8_a2a.dispatch` and :func:`mxfp8_a2a.combine`: rows encoded for the wire straight
+from the tokens, one packed exchange each way, decoded straight into the experts' layout, a
+wire per leg (``wire``: a preset of :data:`mxfp8_a2a.WIRE_PRESETS`). The counts exchange and
+its one host sync stay (as in torchtitan's own dispatcher). :func:`mxfp8_dispatch_static` gives
 :class:`MXFP8StaticTokenDispatcher` instead: no host sync, fixed shapes, traceable by
 torch.compile(fullgraph=True) (torchtitan's ``--compile.enable``). torchtitan's CUDA-graph check
 (``_validate_cuda_graphs``) accepts neither at EP > 1 (it knows only its MinimalAsyncEP and
@@ -100,7 +100,8 @@ class MXFP8TokenDispatcher(AllToAllTokenDispatcher):
     x_TD (T, D) bf16 or fp32 (D % 32 == 0 when a leg is MXFP8), scores (T, K) float, ids
     (T, K) int64, counts (E,) integer. Returns ``routed_input_RD`` (R, D) in x's dtype, rows
     grouped by local expert and within one by source rank (torchtitan's expert-major order);
-    ``tokens_per_local_expert`` (E / ep_size,) in the counts' dtype on their device; and the
+    ``tokens_per_local_expert`` (E / ep_size,) int64 on the counts' device (EP = 1: torchtitan's
+    local dispatcher, the counts' dtype), as torchtitan's; and the
     metadata for ``combine(routed_output_RD, metadata, x_TD)``, which returns out_TD (T, D)
     in x's dtype: for each token the sum over its experts of score * expert output.
 
@@ -144,7 +145,7 @@ class MXFP8TokenDispatcher(AllToAllTokenDispatcher):
             )
         routed, ends, handle = self._move(x_TD, topk_expert_ids_TK)
         counts = torch.diff(ends, prepend=ends.new_zeros(1))  # int32 end offsets: no host copy
-        counts = counts.to(num_local_tokens_per_expert_E.dtype)
+        counts = counts.to(torch.int64)  # (as torchtitan's at EP > 1: a sum, int64 whatever in)
         return routed, counts, MXFP8DispatchMetadata(handle=handle, topk_scores_TK=topk_scores_TK)
 
     def _move(self, x_TD: torch.Tensor, topk_expert_ids_TK: torch.Tensor):  # noqa: N803

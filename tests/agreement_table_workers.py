@@ -87,6 +87,7 @@ def _layer(odd, topo, term, static):
         kw |= dict(capacity=8, max_tokens=T)
     other = dict(hidden=96, ffn=64, num_experts=16, top_k=1, align=32, exchange="bf16")
     other |= dict(activation="swiglu", precision="fp8_rowwise", transport=OtherTransport())
+    other |= dict(overlap_chunks=2, shared_ffn=48)
     if odd and term in other:
         kw[term] = other[term]
     if odd and term == "topology":

@@ -42,6 +42,13 @@ def test_dispatcher_bf16_wire_within_rounding_of_torchtitans(world):
         assert worst_s <= 2, worst_s
 
 
+def test_token_counts_int64_as_torchtitans():
+    from torchtitan_workers import counts_dtype_as_torchtitans
+
+    got = run_distributed(counts_dtype_as_torchtitans, 2, seed())[0]
+    assert set(got.values()) == {torch.int64}, got
+
+
 @pytest.mark.parametrize("wire", ["mxfp8", "mxfp8_to_experts"])
 @pytest.mark.parametrize("world", [2, 4])
 def test_dispatcher_presets_match_legs_model(world, wire):

@@ -414,3 +414,23 @@ def dispatcher_node_route_matches_model(rank, world, seed, tokens_by_rank, top_k
         bound = 2 * HIDDEN * 2.0**-24 * want[5] + 1e-6
         assert ((r["s"] - want[4]).abs() <= bound).all(), "scores"
     dist.barrier()
+
+
+def counts_dtype_as_torchtitans(rank, world, seed):
+    """At EP > 1 the tokens per local expert come back int64 from both of our dispatchers,
+    as from torchtitan's (a sum of the exchanged counts), whatever the counts' dtype in."""
+    from mxfp8_a2a.torchtitan import mxfp8_dispatch_static
+
+    mesh = ep_mesh(world)
+    experts = 2 * world
+    x, ids, scores, _ = _inputs(rank, seed, 12, 2, experts, 64)
+    cfg = AllToAllTokenDispatcher.Config(num_experts=experts, top_k=2)
+    got = {}
+    for name, c in (("torchtitan", cfg), ("ours", mxfp8_dispatch(cfg, wire="bf16")),
+                    ("static", mxfp8_dispatch_static(cfg, wire="bf16"))):  # fmt: skip
+        d = c.build()
+        d.wire_meshes(ep_mesh=mesh)
+        for dtype in (torch.int32, torch.int64):
+            counts = torch.bincount(ids.flatten(), minlength=experts).to(dtype)
+            got[name, dtype] = d.dispatch(x, scores, ids, counts)[1].dtype
+    return got

@@ -20,10 +20,10 @@ from ..exchange.push import PushBuffer, static_transport
 from ..exchange.transport import Transport
 from ..exchange.wires import Wires, layer_wires
 from ..grouped.gemm import PRECISIONS
-from . import checks
+from . import checks, overlap
 from .checkpoint import register_checkpoint_hooks
-from .dispatch_static import STAT_NAMES, combine_static, dispatch_static
-from .dispatch_synced import combine, dispatch, dispatch_reporting
+from .dispatch_static import STAT_NAMES
+from .dispatch_synced import dispatch_reporting
 from .experts import GroupedExperts, draw_router, init_moe_weights  # noqa: F401
 from .routing import _route, balance_loss, groups_error, update_bias
 from .topology import NodeTopology, layer_topology
@@ -65,6 +65,8 @@ class ExpertParallelMoE(torch.nn.Module):
         capacity: int | None = None,
         max_tokens: int | None = None,
         align: int = 16,
+        shared_ffn: int | torch.nn.Module | None = None,
+        overlap_chunks: int = 1,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ):
@@ -129,6 +131,15 @@ class ExpertParallelMoE(torch.nn.Module):
                 ``max_tokens`` is optional. A call with more than max_tokens tokens raises a
                 ValueError. Ranks may pass different numbers of tokens.
             align: the static dispatch's rows per expert block are rounded up to it.
+            shared_ffn: shared experts (DeepSeek-V3): a dense MLP on every token whose
+                output is added to the layer's: an int (the width of a built-in MLP of
+                ``activation``, ``layer.shared``, drawn from ``seed``) or an nn.Module [T,
+                hidden] -> [T, hidden]; dense parameters (replicated, averaged by data
+                parallelism). On CUDA it computes while dispatch and combine run on an
+                exchange stream (:mod:`mxfp8_a2a.moe.overlap`). None: none.
+            overlap_chunks: n >= 1: the tokens in n chunks, chunk i + 1's dispatch and chunk
+                i's combine running while experts compute (on CUDA). The static dispatch
+                gives each chunk ceil(capacity / n) rows per rank pair. Not with a PushBuffer.
             device, dtype: of the parameters.
 
         Checks at construction: everything the host knows (types, sizes, hidden % 32 for
@@ -179,9 +190,10 @@ class ExpertParallelMoE(torch.nn.Module):
         self.num_experts, self.top_k, self.group = num_experts, top_k, group
         self.static = capacity is not None
         self._routing: tuple[torch.Tensor, torch.Tensor] | None = None  # the last forward's
+        overlap.check_chunks(overlap_chunks, transport)
         if transport == "auto":  # (the rule; a collective when it builds a PushBuffer)
             transport = "nccl"
-            if capacity is not None:
+            if capacity is not None and overlap_chunks == 1:
                 transport = static_transport(group, hidden, num_experts, capacity=capacity,
                                              exchange=exchange, device=device,
                                              dtype=dtype or torch.float32)  # fmt: skip
@@ -214,6 +226,8 @@ class ExpertParallelMoE(torch.nn.Module):
         self.experts = GroupedExperts(hidden, ffn, rank * local, local, precision=precision,
                                       activation=activation, seed=seed, device=device,
                                       dtype=dtype)  # fmt: skip
+        self.shared = overlap.build_shared(shared_ffn, hidden, activation, seed, device, dtype)
+        self.overlap_chunks, self.overlap_streams = overlap_chunks, True  # (False: one stream)
         register_checkpoint_hooks(self)  # experts as DTensors [E, ...] in state_dict()
 
     @property
@@ -240,7 +254,8 @@ class ExpertParallelMoE(torch.nn.Module):
         return (
             f"hidden={hidden}, ffn={ffn}, num_experts={self.num_experts}, top_k={self.top_k}, "
             f"group_size={dist.get_world_size(self.group)}, exchange={self.exchange!r}, "
-            f"dispatch=({mode}), transport={self.transport!r}, precision={self.precision!r}"
+            f"dispatch=({mode}), transport={self.transport!r}, precision={self.precision!r}, "
+            f"overlap_chunks={self.overlap_chunks}"
         )
 
     def read_dispatch_stats(self) -> dict[str, int]:
@@ -318,22 +333,7 @@ class ExpertParallelMoE(torch.nn.Module):
                 flat = ids.flatten()
                 load = self.expert_load
                 load.scatter_add_(0, flat, torch.ones_like(flat, dtype=load.dtype))
-        if self.static:
-            return self._forward_static(x, weights, ids)
-        ex, _, handle = dispatch(x, ids, self.num_experts, self.group, exchange=self.wires,
-                                 transport=self.transport, topology=self.topology)  # fmt: skip
-        return combine(self.experts(ex, handle.expert_offsets), weights, handle)
-
-    def _forward_static(self, x, weights, ids) -> torch.Tensor:
-        ex, offs, handle = dispatch_static(x, ids, self.num_experts, self.capacity, self.group,
-                                           exchange=self.wires, align=self.align,
-                                           transport=self.transport,
-                                           topology=self.topology)  # fmt: skip
-        with torch.no_grad():  # dropped and bad ids add up, the other two are maxima
-            s, new = self.dispatch_stats, handle.stats
-            added, peak = s[0::2] + new[0::2], torch.maximum(s[1::2], new[1::2])
-            s.copy_(torch.stack([added, peak], 1).view(-1))  # STAT_NAMES' order
-        return combine_static(self.experts(ex, offs), weights, handle)
+        return overlap.routed_forward(self, x, weights, ids)
 
     def _input_error(self, x) -> str | None:
         hidden = self.router.shape[0]

@@ -144,8 +144,17 @@ LAYER = agreement.table(
         lambda a: None if a["layer"].topology is None else a["layer"].topology.terms(),
         _TOPOLOGY,
     ),  # fmt: skip
+    Term("overlap_chunks", lambda a: a["layer"].overlap_chunks, f"{SAME} overlap_chunks"),
+    Term("shared_ffn", lambda a: _shared(a["layer"]), f"{SAME} shared_ffn"),
     Term("x.dtype", lambda a: a["x"].dtype if isinstance(a["x"], torch.Tensor) else None, _DTYPE),
 )
+
+
+def _shared(layer) -> str:
+    from .overlap import shared_term  # (overlap imports checks, which imports this module)
+
+    return str(shared_term(layer))
+
 
 # NodeTopology: dict(local_world_size (None: not read), ranks_per_node,
 # groups_made (None: a group of the whole world, or this torch keeps no count))
