@@ -33,10 +33,10 @@ def _layer(options: dict, device: str) -> torch.nn.Module:
     return layer.to(device=device, dtype=torch.bfloat16)
 
 
-def _step(layer, x, grad, coef: float, update: bool) -> torch.Tensor:
-    """One training step's layer work: forward, loss (+ coef * balance_loss), backward, and
-    the bias update. Returns the output."""
-    out = layer(x)
+def _step(layer, x, grad, coef: float, update: bool, forward=None) -> torch.Tensor:
+    """One training step's layer work: forward (``forward``, default the layer itself), loss
+    (+ coef * balance_loss), backward, and the bias update. Returns the output."""
+    out = (layer if forward is None else forward)(x)
     loss = (out.float() * grad.float()).sum()
     if coef:
         loss = loss + coef * layer.balance_loss()
@@ -110,13 +110,7 @@ def compiled_matches_eager(rank, world, name, device="cuda"):
         xc, xe = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
         layer.zero_grad(set_to_none=True)
         eager.zero_grad(set_to_none=True)
-        out = compiled(xc)
-        loss = (out.float() * grad.float()).sum()
-        if coef:
-            loss = loss + coef * layer.balance_loss()
-        loss.backward()
-        if update:
-            layer.update_balance_bias(1e-2)
+        out = _step(layer, xc, grad, coef, update, forward=compiled)
         ref = _step(eager, xe, grad, coef, update)
         for a, b in zip([out] + _state(layer, xc), [ref] + _state(eager, xe), strict=True):
             diff = (a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)
