@@ -88,8 +88,18 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 
 def terms_text(terms: dict[str, object]) -> str:
-    """The terms (name -> value) as one text: name=str(value) pairs."""
-    return _SEP.join(f"{name}={value}" for name, value in terms.items())
+    """The terms (name -> value) as one text: name=str(value) pairs. A symbolic size (under
+    torch.compile with dynamic shapes) is read as its value: the compiled code then guards on
+    it, as the text is fixed at trace time."""
+    return _SEP.join(f"{name}={_plain(value)}" for name, value in terms.items())
+
+
+def _plain(value: object) -> object:
+    """A size as a plain int (under torch.compile an int that changed between compiles is
+    symbolic and cannot be formatted: int() specializes it, with a guard)."""
+    if isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool):
+        return int(value)
+    return value
 
 
 @functools.lru_cache(maxsize=256)
