@@ -12,11 +12,9 @@ over NCCL (its work is the row kernels), so one GPU shows the schedule's cost, n
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
-from common import median
+from common import Timer
 
 from mxfp8_a2a.moe.layer import ExpertParallelMoE
 
@@ -49,27 +47,15 @@ def _layer(shape, shared, chunks, static, cf, device) -> ExpertParallelMoE:
     return layer.to(torch.bfloat16)
 
 
-def _step_ms(layer, x, grad, iters, warmup, cuda) -> float:
-    times = []
-    for i in range(warmup + iters):
+def _step_ms(layer, x, grad, iters, warmup) -> float:
+    """common.Timer's median step (forward + backward of ``layer(x)``), max over ranks."""
+
+    def step(_):
         layer.zero_grad(set_to_none=True)
         x.grad = None
-        dist.barrier()
-        if cuda:
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        began = time.perf_counter()
         layer(x).backward(grad)
-        if cuda:
-            end.record()
-            end.synchronize()
-        ms = start.elapsed_time(end) if cuda else (time.perf_counter() - began) * 1e3
-        if i >= warmup:
-            times.append(ms)
-    t = torch.tensor([median(times)], dtype=torch.float64, device=x.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
+
+    return Timer(x.device, iters, warmup)(step)
 
 
 def overlap_rows(text, shape, settings, iters, warmup, device, cf) -> list[dict]:
@@ -87,7 +73,7 @@ def overlap_rows(text, shape, settings, iters, warmup, device, cf) -> list[dict]
             res = {"shape": text, "path": path, "shared_ffn": shared, "overlap_chunks": chunks}
             for mode, streams in (("serial", False), ("overlapped", True)):
                 layer.overlap_streams = streams
-                res[f"{mode}_ms"] = _step_ms(layer, x, grad, iters, warmup, cuda)
+                res[f"{mode}_ms"] = _step_ms(layer, x, grad, iters, warmup)
             rows.append(res)
             del layer
             if cuda:
