@@ -19,9 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .._common import check_scaling_mode
 from ..exchange import agreement
-from ..exchange.checks import (
-    validating,
-)
+from ..exchange.checks import validating
 from ..exchange.push import PushBuffer
 from ..exchange.transport import device_error
 from ..exchange.wires import check_leg_pair, combine_default, layer_wires, leg_pair
@@ -188,10 +186,6 @@ def check_combine_static(expert_y, topk_weights, handle, exchange) -> None:
 
 
 # ---- the static dispatch's agreement, once per new configuration
-
-
-MAX_KEYS = 64  # configurations kept per group or buffer (oldest forgotten first)
-_GROUPS: dict[str, OrderedDict] = {}  # process group name -> agreed terms texts
 
 
 def _cache(group: dist.ProcessGroup | None, push: PushBuffer | None) -> OrderedDict:

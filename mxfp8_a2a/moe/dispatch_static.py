@@ -82,7 +82,7 @@ class StaticHandle:
     (the most rows it routed to one rank), ids outside [0, num_experts), and this rank's
     num_experts if some rank's differed, else 0 (STAT_NAMES).
     exchange: combine_static's default (forward, backward) wires.
-    dispatch_id: which dispatch (arguments.mark_output; combine_static checks expert_y).
+    dispatch_id: which dispatch (checks.mark_output; combine_static checks expert_y).
     push: the PushBuffer the rows travel through, None for NCCL/gloo.
     functional: NCCL/gloo exchanges as torch's functional all_to_all_single (engine.Route).
     """
