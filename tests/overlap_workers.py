@@ -75,9 +75,9 @@ def overlap_equals_serial(rank, world, backend, seed, static, node):
     the serial layer's (its shared MLP a copy of the layer's), the experts' gradients too at
     n = 1. At n > 1 the experts' GEMMs run on a row-independent stand-in (on the CPU a row
     of torch's GEMM may change with the rows beside it) and their weights' gradients, a sum
-    of per-chunk GEMMs, are within 1e-5 relative. Then the same cases on torch's own GEMMs,
-    where n > 1 is only bounded (1e-5 relative). Returns the largest relative difference
-    seen with torch's GEMMs."""
+    of per-chunk GEMMs, are within 1e-5 relative. Then the same cases on torch's own GEMMs
+    with the bf16 preset, where n > 1 is only bounded (1e-5 relative). Returns the largest
+    relative difference seen with torch's GEMMs."""
     with _row_independent_gemm():
         _compare(rank, world, backend, seed, static, node, exact=True)
     return _compare(rank, world, backend, seed, static, node, exact=False)
@@ -94,7 +94,11 @@ def _compare(rank, world, backend, seed, static, node, exact: bool) -> float:
     grad = torch.randn(tokens_of(rank), HIDDEN, generator=g).to(dev)
     worst = 0.0
     cases = [(1, SHARED, "gelu"), (2, "module", "gelu"), (3, SHARED, "swiglu"), (3, None, "gelu")]
-    for exchange in EXCHANGES:
+    # torch's own GEMMs (exact=False): a row's fp32 result may change with the rows beside
+    # it, and an MXFP8 leg turns such a last-bit change into a whole e4m3 step wherever it
+    # crosses a rounding boundary (seen: 1.08e-5 of the max), so the 1e-5 bound is one of
+    # fp32 reassociation: unquantized legs only (every preset is bit-exact with exact=True)
+    for exchange in EXCHANGES if exact else ("bf16",):
         for n, shared, activation in cases:
             kw = dict(activation=activation)
             ffn = _user_mlp(seed).to(dev) if shared == "module" else shared
